@@ -15,7 +15,8 @@
  * Speed: Mixtral-small's expert products (fc1 [rows, 1024] x [7168, 1024]^T,
  * fc2 [rows, 3584] x [1024, 3584]^T, 32,768 routed rows) at 8 and 64 experts,
  * balanced and random splits, against the library's per-group cuBLASLt
- * route (sf_grouped_gemm, one stream and its default lanes), TFLOP/s.
+ * route (sf_grouped_gemm, one stream and its default lanes), TFLOP/s; the
+ * kernel's other tile shapes (sf_grouped_sm90_run_variant) beside it.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -153,7 +154,7 @@ static void fill_args(const Problem &p, const DevOps &d, int64_t ldo, sf_grouped
     args.device_id = 0;
 }
 
-static void check_case(const Problem &p)
+static void check_case(const Problem &p, int variant = 0)
 {
     if (!check_take_case())
         return;
@@ -165,7 +166,7 @@ static void check_case(const Problem &p)
     CHECK_CUDA(cudaMemset(d.out, 0xFF, out_rows * ldo * 2)); /* bf16 NaN */
     sf_grouped_sm90_args args;
     fill_args(p, d, ldo, args);
-    CHECK_SF(sf_grouped_sm90_run(&args, NULL));
+    CHECK_SF(variant ? sf_grouped_sm90_run_variant(&args, variant, NULL) : sf_grouped_sm90_run(&args, NULL));
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<uint16_t> out(out_rows * ldo);
     CHECK_CUDA(cudaMemcpy(out.data(), d.out, out.size() * 2, cudaMemcpyDeviceToHost));
@@ -196,8 +197,8 @@ static void check_case(const Problem &p)
         for (int64_t c = (r < rows ? p.n : 0); c < ldo; ++c)
             untouched_bad += out[r * ldo + c] != 0xFFFF;
     char what[256];
-    snprintf(what, sizeof what, "%s groups=%d rows=%lld n=%lld k=%lld: %lld outputs off (worst err/tol %.3g), "
-             "%lld padding elements written", p.fp8 ? "e4m3" : "bf16", p.groups, (long long)rows, (long long)p.n,
+    snprintf(what, sizeof what, "variant %d %s groups=%d rows=%lld n=%lld k=%lld: %lld outputs off (worst err/tol "
+             "%.3g), %lld padding elements written", variant, p.fp8 ? "e4m3" : "bf16", p.groups, (long long)rows, (long long)p.n,
              (long long)p.k, (long long)bad, worst, (long long)untouched_bad);
     check_report(bad == 0 && untouched_bad == 0, what);
     if (bad || untouched_bad || getenv("CHECK_VERBOSE"))
@@ -258,7 +259,10 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
         args.b_scale_inv[g] = d.scales + groups;
     }
     const double flops = 2.0 * rows * n * k;
-    float t_kernel = time_ms([&] { CHECK_SF(sf_grouped_sm90_run(&args, NULL)); }, 5, 20);
+    float t_var[4];
+    for (int v = 0; v < 4; ++v)
+        t_var[v] = time_ms([&] { CHECK_SF(sf_grouped_sm90_run_variant(&args, v, NULL)); }, 5, 20);
+    const float t_kernel = t_var[0];
 
     /* the library's per-group cuBLASLt route */
     const sf_dtype dt = fp8 ? SF_FLOAT8_E4M3 : SF_BFLOAT16;
@@ -294,11 +298,11 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
         }
         t_lib[li] = time_ms([&] { CHECK_SF(sf_grouped_gemm(&ga, NULL)); }, 5, 20);
     }
-    printf("bench %-24s %s G=%2d n=%5lld k=%5lld rows=%lld: kernel %.3f ms %.0f TFLOP/s | cuBLASLt one stream "
-           "%.3f ms %.0f (%.2fx) | default lanes %.3f ms %.0f (%.2fx)\n",
-           name, fp8 ? "e4m3" : "bf16", groups, (long long)n, (long long)k, (long long)rows, t_kernel,
-           flops / t_kernel / 1e9, t_lib[0], flops / t_lib[0] / 1e9, t_lib[0] / t_kernel, t_lib[1],
-           flops / t_lib[1] / 1e9, t_lib[1] / t_kernel);
+    printf("bench %-14s %s G=%2d n=%5lld k=%5lld: kernel %.3f ms %.0f TFLOP/s (variants 1-3: %.0f %.0f %.0f) | "
+           "cuBLASLt one stream %.3f ms %.0f (%.2fx) | default lanes %.3f ms %.0f (%.2fx)\n",
+           name, fp8 ? "e4m3" : "bf16", groups, (long long)n, (long long)k, t_kernel, flops / t_kernel / 1e9,
+           flops / t_var[1] / 1e9, flops / t_var[2] / 1e9, flops / t_var[3] / 1e9, t_lib[0],
+           flops / t_lib[0] / 1e9, t_lib[0] / t_kernel, t_lib[1], flops / t_lib[1] / 1e9, t_lib[1] / t_kernel);
     cudaFree(wbuf);
     cudaFree(ws);
 }
@@ -350,6 +354,11 @@ int main(int argc, char **argv)
         }
     }
     check_case({false, 64, random_splits(4096, 64, 1), 256, 256});
+    for (int v = 1; v < 4; ++v)
+        for (int fp8 = 0; fp8 < 2; ++fp8) {
+            check_case({(bool)fp8, 4, {129, 0, 0, 383}, 520, 24 * (fp8 ? 16 : 8)}, v);
+            check_case({(bool)fp8, 8, {16, 300, 128, 0, 1, 255, 640, 7}, 1024, 160}, v);
+        }
 
     if (argc > 1 && !strcmp(argv[1], "--no-bench"))
         return check_finish("check_grouped_sm90");

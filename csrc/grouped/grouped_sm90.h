@@ -60,6 +60,13 @@ const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
  * touched. */
 sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream);
 
+#ifdef SF_WORKBENCH
+/* The check's other tile shapes (grouped_sm90_cuda.cu): 0 the library's
+ * (128 x 256, 4 stages, along the columns first), 1 the same down the rows
+ * first, 2 and 3 those orders at 128 x 128 tiles with 6 stages. */
+sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *args, int variant, sf_stream stream);
+#endif
+
 #ifdef __cplusplus
 }
 #endif

@@ -17,13 +17,13 @@
  *  - 384 threads: warpgroup 0 is the producer, one thread of it issuing TMA
  *    copies of the A tile (128 rows x 64 bf16 / 128 e4m3 = 128 bytes a row)
  *    and the B tile (256 rows x the same) of each k-block into a ring of
- *    kStages shared-memory stages; warpgroups 1 and 2 are the consumers, each
+ *    STAGES shared-memory stages; warpgroups 1 and 2 are the consumers, each
  *    computing 64 of the tile's 128 rows x 256 columns with wgmma
  *    m64n256 (128 float accumulators a thread).
  *  - Each stage has a "full" mbarrier (the producer arms it with the stage's
  *    byte count; TMA completes it) and an "empty" one (each consumer
  *    warpgroup arrives once its wgmma reading the stage has completed).  The
- *    producer runs up to kStages k-blocks ahead, across tile boundaries, so
+ *    producer runs up to STAGES k-blocks ahead, across tile boundaries, so
  *    the next tile's loads overlap this tile's epilogue.
  *  - TMA writes the tiles in the 128-byte swizzled layout wgmma reads
  *    (attn_sm90.cuh describes it); rows past the end of A or B and columns
@@ -53,13 +53,22 @@
 
 namespace {
 
-constexpr int kBM = 128, kBN = 256, kRowBytes = 128; /* a k-block is 128 bytes of each row */
-constexpr int kStages = 4;
+constexpr int kBM = 128, kRowBytes = 128; /* a k-block is 128 bytes of each row */
 constexpr int kThreads = 384;
-constexpr int kABytes = kBM * kRowBytes, kBBytes = kBN * kRowBytes; /* 16 KiB, 32 KiB */
-constexpr int kStageBytes = kABytes + kBBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + 1024 /* barriers, tables */;
+constexpr int kABytes = kBM * kRowBytes; /* 16 KiB */
 constexpr int kMaxGroups = SF_GROUPED_SM90_MAX_GROUPS;
+
+/* A tile shape: BN output columns (256: each consumer m64n256, 128
+ * accumulators a thread; 128: m64n128), STAGES k-blocks in flight, and the
+ * order of a group's tiles (MFAST: down the rows first, so the CTAs at work
+ * share B's column tile; else along the columns first, sharing A's rows). */
+template <int BN_, int STAGES_, bool MFAST_> struct Cfg {
+    static constexpr int BN = BN_, STAGES = STAGES_, ACC = BN_ / 2;
+    static constexpr bool MFAST = MFAST_;
+    static constexpr int B_BYTES = BN * kRowBytes, STAGE_BYTES = kABytes + B_BYTES;
+    static constexpr int SMEM = STAGES * STAGE_BYTES + 1024 /* alignment */ + 1024 /* barriers, tables */;
+};
+using Library = Cfg<256, 4, false>; /* the library's shape (the check times the others) */
 
 struct Params {
     CUtensorMap a_map;
@@ -124,14 +133,20 @@ __device__ __forceinline__ uint64_t desc_k(uint32_t tile, int row0, int kk)
     "%89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, "  \
     "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "   \
     "%127}"
+#define SF_D64                                                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "     \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, " \
+    "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define SF_A8(i)                                                                                                    \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),    \
         "+f"(d[i + 7])
 #define SF_A32(i) SF_A8(i), SF_A8(i + 8), SF_A8(i + 16), SF_A8(i + 24)
 #define SF_A128 SF_A32(0), SF_A32(32), SF_A32(64), SF_A32(96)
 
-/* d (+)= A B^T for one k step: m64 n256, A and B K-major in shared memory. */
-template <bool FP8> __device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t a, uint64_t b, int scale_d)
+/* d (+)= A B^T for one k step: m64 nN, A and B K-major in shared memory. */
+template <bool FP8, int N> struct Wg;
+template <bool FP8> struct Wg<FP8, 256> {
+static __device__ __forceinline__ void mma(float (&d)[128], uint64_t a, uint64_t b, int scale_d)
 {
     if constexpr (FP8)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -144,6 +159,23 @@ template <bool FP8> __device__ __forceinline__ void wgmma_n256(float (&d)[128], 
                      : SF_A128
                      : "l"(a), "l"(b), "r"(scale_d));
 }
+};
+template <bool FP8> struct Wg<FP8, 128> {
+static __device__ __forceinline__ void mma(float (&d)[64], uint64_t a, uint64_t b, int scale_d)
+{
+    if constexpr (FP8)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SF_D64 ", %64, %65, p, 1, 1;\n}\n"
+                     : SF_A32(0), SF_A32(32)
+                     : "l"(a), "l"(b), "r"(scale_d));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SF_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : SF_A32(0), SF_A32(32)
+                     : "l"(a), "l"(b), "r"(scale_d));
+}
+};
+#undef SF_D64
 #undef SF_D128
 #undef SF_A8
 #undef SF_A32
@@ -152,10 +184,10 @@ template <bool FP8> __device__ __forceinline__ void wgmma_n256(float (&d)[128], 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void pin(float (&d)[128])
+template <int N> __device__ __forceinline__ void pin(float (&d)[N])
 {
 #pragma unroll
-    for (int i = 0; i < 128; ++i)
+    for (int i = 0; i < N; ++i)
         asm volatile("" : "+f"(d[i])::"memory");
 }
 
@@ -163,6 +195,7 @@ __device__ __forceinline__ void pin(float (&d)[128])
 struct Tile {
     int g, m0, row_end, n0;
 };
+template <class C>
 __device__ __forceinline__ Tile tile_of(int t, const int *tile_start, const int *row_start, int groups, int n_tiles)
 {
     int g = 0;
@@ -171,22 +204,28 @@ __device__ __forceinline__ Tile tile_of(int t, const int *tile_start, const int 
     const int local = t - tile_start[g];
     Tile r;
     r.g = g;
-    r.m0 = row_start[g] + (local / n_tiles) * kBM;
     r.row_end = row_start[g + 1];
-    r.n0 = (local % n_tiles) * kBN;
+    if (C::MFAST) {
+        const int m_tiles = (r.row_end - row_start[g] + kBM - 1) / kBM;
+        r.m0 = row_start[g] + (local % m_tiles) * kBM;
+        r.n0 = (local / m_tiles) * C::BN;
+    } else {
+        r.m0 = row_start[g] + (local / n_tiles) * kBM;
+        r.n0 = (local % n_tiles) * C::BN;
+    }
     return r;
 }
 #endif
 
-template <bool FP8>
+template <bool FP8, class C>
 __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_constant__ Params p)
 {
 #ifdef SF_GROUPED_SM90A
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    uint64_t *full = (uint64_t *)(smem + kStages * kStageBytes);
-    uint64_t *empty = full + kStages;
-    int *tile_start = (int *)(empty + kStages);
+    uint64_t *full = (uint64_t *)(smem + C::STAGES * C::STAGE_BYTES);
+    uint64_t *empty = full + C::STAGES;
+    int *tile_start = (int *)(empty + C::STAGES);
     int *row_start = tile_start + kMaxGroups + 1;
     const int tid = threadIdx.x, wg = tid / 128;
 
@@ -195,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
         row_start[i] = p.row_start[i];
     }
     if (tid == 0) {
-        for (int s = 0; s < kStages; ++s) {
+        for (int s = 0; s < C::STAGES; ++s) {
             mbar_init(smem_u32(&full[s]), 1);
             mbar_init(smem_u32(&empty[s]), 2);
         }
@@ -208,17 +247,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
         if (tid == 0) {
             int stage = 0, phase = 0;
             for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
-                const Tile tl = tile_of(t, tile_start, row_start, p.groups, p.n_tiles);
+                const Tile tl = tile_of<C>(t, tile_start, row_start, p.groups, p.n_tiles);
                 const CUtensorMap *bmap = &p.b_map[tl.g];
                 for (int kb = 0; kb < p.kblocks; ++kb) {
                     mbar_wait(smem_u32(&empty[stage]), phase ^ 1);
                     const uint32_t bar = smem_u32(&full[stage]);
-                    const uint32_t a_dst = smem_u32(smem + stage * kStageBytes), b_dst = a_dst + kABytes;
-                    mbar_expect_tx(bar, kStageBytes);
+                    const uint32_t a_dst = smem_u32(smem + stage * C::STAGE_BYTES), b_dst = a_dst + kABytes;
+                    mbar_expect_tx(bar, C::STAGE_BYTES);
                     const int col = kb * (FP8 ? 128 : 64); /* in elements */
                     tma_load_2d(a_dst, &p.a_map, col, tl.m0, bar);
                     tma_load_2d(b_dst, bmap, col, tl.n0, bar);
-                    if (++stage == kStages) {
+                    if (++stage == C::STAGES) {
                         stage = 0;
                         phase ^= 1;
                     }
@@ -230,24 +269,24 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
         const int ct = tid - 128 * wg; /* thread in the consumer warpgroup */
         const int row0 = (wg - 1) * 64;
         int stage = 0, phase = 0;
-        float d[128];
+        float d[C::ACC];
         for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
-            const Tile tl = tile_of(t, tile_start, row_start, p.groups, p.n_tiles);
+            const Tile tl = tile_of<C>(t, tile_start, row_start, p.groups, p.n_tiles);
             for (int kb = 0; kb < p.kblocks; ++kb) {
                 mbar_wait(smem_u32(&full[stage]), phase);
-                const uint32_t a_t = smem_u32(smem + stage * kStageBytes), b_t = a_t + kABytes;
+                const uint32_t a_t = smem_u32(smem + stage * C::STAGE_BYTES), b_t = a_t + kABytes;
                 pin(d);
                 wg_fence();
 #pragma unroll
                 for (int kk = 0; kk < 4; ++kk)
-                    wgmma_n256<FP8>(d, desc_k(a_t, row0, kk), desc_k(b_t, 0, kk), kb > 0 || kk > 0);
+                    Wg<FP8, C::BN>::mma(d, desc_k(a_t, row0, kk), desc_k(b_t, 0, kk), kb > 0 || kk > 0);
                 wg_commit();
                 /* the previous k-block's wgmma has finished: release its stage */
                 wg_wait<1>();
                 pin(d);
                 if (kb > 0 && ct == 0)
-                    mbar_arrive(smem_u32(&empty[stage == 0 ? kStages - 1 : stage - 1]));
-                if (++stage == kStages) {
+                    mbar_arrive(smem_u32(&empty[stage == 0 ? C::STAGES - 1 : stage - 1]));
+                if (++stage == C::STAGES) {
                     stage = 0;
                     phase ^= 1;
                 }
@@ -255,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
             wg_wait<0>();
             pin(d);
             if (ct == 0)
-                mbar_arrive(smem_u32(&empty[stage == 0 ? kStages - 1 : stage - 1]));
+                mbar_arrive(smem_u32(&empty[stage == 0 ? C::STAGES - 1 : stage - 1]));
 
             /* epilogue: register 4j + e is row 16 w + r8 + 8 (e >> 1), column 8 j + 2 q + (e & 1) */
             float scale = 1.f;
@@ -270,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
                 if (row < tl.row_end) {
                     __nv_bfloat16 *orow = p.out + (int64_t)row * p.ldo;
 #pragma unroll
-                    for (int j = 0; j < 32; ++j) {
+                    for (int j = 0; j < C::BN / 8; ++j) {
                         const int col = cbase + 8 * j;
                         if (col < p.n)
                             *(__nv_bfloat162 *)(orow + col) =
@@ -332,7 +371,7 @@ bool built_for_sm90a(int device)
         cudaFuncAttributes fa;
         cudaDeviceProp prop;
         bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                  cudaFuncGetAttributes(&fa, grouped_sm90_kernel<false>) == cudaSuccess && fa.binaryVersion == 90;
+                  cudaFuncGetAttributes(&fa, grouped_sm90_kernel<false, Library>) == cudaSuccess && fa.binaryVersion == 90;
         cudaGetLastError();
         cached[device] = ok ? 1 : 2;
     }
@@ -374,7 +413,10 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
     return nullptr;
 }
 
-extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_stream stream)
+namespace {
+
+/* Fills the launch's parameters and launches the kernel of tile shape C. */
+template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream)
 {
     const char *why = sf_grouped_sm90_unfit(a);
     if (why)
@@ -383,7 +425,7 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
     if (!fn)
         return sf_fail(SF_ERR_NOT_IMPLEMENTED, "grouped_gemm (sm90 kernel): %s", why);
     const bool fp8 = a->dtype == SF_FLOAT8_E4M3;
-    static Params p; /* ~9 KiB: built here, copied into the launch */
+    static Params p; /* ~10 KiB: built here under the lock, copied into the launch */
     static std::mutex lock;
     std::lock_guard<std::mutex> hold(lock);
     const int64_t rows = a->row_start[a->groups];
@@ -393,7 +435,7 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
     p.out = (__nv_bfloat16 *)a->out;
     p.fp8 = fp8;
     p.kblocks = (int)((a->k * (fp8 ? 1 : 2) + kRowBytes - 1) / kRowBytes);
-    p.n_tiles = (int)((a->n + kBN - 1) / kBN);
+    p.n_tiles = (int)((a->n + C::BN - 1) / C::BN);
     p.tile_start[0] = 0;
     p.row_start[0] = 0;
     if ((why = encode(&p.a_map, fn, fp8, a->a, rows, a->k, a->lda, kBM)))
@@ -402,7 +444,7 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
         const int64_t m = a->row_start[g + 1] - a->row_start[g];
         p.row_start[g + 1] = (int)a->row_start[g + 1];
         p.tile_start[g + 1] = p.tile_start[g] + (int)((m + kBM - 1) / kBM) * p.n_tiles;
-        if (m > 0 && (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], kBN)))
+        if (m > 0 && (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], C::BN)))
             return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (b of group %d)", why, g);
         p.a_scale_inv[g] = fp8 ? a->a_scale_inv[g] : nullptr;
         p.b_scale_inv[g] = fp8 ? a->b_scale_inv[g] : nullptr;
@@ -415,14 +457,14 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
     const int sms = sf_cuda_sm_count(a->device_id);
     const int grid = p.total_tiles < sms ? p.total_tiles : sms;
     cudaError_t e = cudaSuccess;
-    auto kernel = fp8 ? grouped_sm90_kernel<true> : grouped_sm90_kernel<false>;
-    static bool attr_set[2][64];
+    auto kernel = fp8 ? grouped_sm90_kernel<true, C> : grouped_sm90_kernel<false, C>;
+    static bool attr_set[2][64]; /* (device ids were checked below 64 by sf_grouped_sm90_unfit) */
     if (!attr_set[fp8][a->device_id]) {
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
         attr_set[fp8][a->device_id] = e == cudaSuccess;
     }
     if (e == cudaSuccess) {
-        kernel<<<grid, kThreads, kSmemBytes, sf_cuda_stream(stream)>>>(p);
+        kernel<<<grid, kThreads, C::SMEM, sf_cuda_stream(stream)>>>(p);
         e = cudaGetLastError();
     }
     sf_cuda_device_restore(&guard);
@@ -431,3 +473,23 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
                        cudaGetErrorString(e));
     return SF_OK;
 }
+
+} // namespace
+
+extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_stream stream)
+{
+    return run<Library>(a, stream);
+}
+
+#ifdef SF_WORKBENCH
+extern "C" sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *a, int variant, sf_stream stream)
+{
+    switch (variant) {
+    case 0: return run<Cfg<256, 4, false>>(a, stream);
+    case 1: return run<Cfg<256, 4, true>>(a, stream);
+    case 2: return run<Cfg<128, 6, false>>(a, stream);
+    case 3: return run<Cfg<128, 6, true>>(a, stream);
+    default: return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): no variant %d", variant);
+    }
+}
+#endif
