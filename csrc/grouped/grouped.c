@@ -19,7 +19,8 @@
  * as well when every operand is a list (the FP8 weight gradient, whose
  * operands are the per-expert transposed copies).
  *
- * The sm90 kernel (grouped_sm90_cuda.cu, args->kernel AUTO or SM90): on a
+ * The sm90 kernel (grouped_sm90_cuda.cu, its entry points declared in
+ * grouped_sm90.h; args->kernel AUTO or SM90): on a
  * Hopper GPU the forward form (a and out split, b listed, transb) runs as
  * one persistent launch over every group's output tiles instead of a
  * cuBLASLt call per group; each group is first held to sf_gemm's rules
