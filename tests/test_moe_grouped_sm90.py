@@ -40,10 +40,11 @@ def test_kernel_argument_is_checked(kernel, error, match):
 
 def test_kernel_environment_variable_is_checked(monkeypatch):
     x, w = _inputs([4, 4], 16, 8)
-    monkeypatch.setenv("SEQFUSE_GROUPED_KERNEL", "cutlass")
-    with pytest.raises(ValueError, match="environment variable SEQFUSE_GROUPED_KERNEL must be one of "
-                                         "'auto', 'cublaslt', 'sm90', got 'cutlass'"):
-        moe.grouped_gemm(x, w, [4, 4], transb=True)
+    for bad in ("cutlass", "sm90"):  # (sm90 only per call: the variable reaches the backward's products too)
+        monkeypatch.setenv("SEQFUSE_GROUPED_KERNEL", bad)
+        with pytest.raises(ValueError, match="environment variable SEQFUSE_GROUPED_KERNEL must be 'auto' or "
+                                             f"'cublaslt' \\(kernel='sm90' is a per-call argument\\), got '{bad}'"):
+            moe.grouped_gemm(x, w, [4, 4], transb=True)
     monkeypatch.setenv("SEQFUSE_GROUPED_KERNEL", "cublaslt")
     assert torch.equal(moe.grouped_gemm(x, w, [4, 4], transb=True),
                        moe.grouped_gemm(x, w, [4, 4], transb=True, kernel="auto"))
@@ -65,16 +66,14 @@ def test_c_entry_checks_kernel():
                         0, 1, None, 0, 3)
 
 
-def test_c_entry_returns_why_not_sm90_on_the_cpu():
+def test_c_entry_notes_nothing_on_the_cpu():
+    """The note explains a CUDA call of the kernel's form that did not take it; CPU calls have none."""
     from seqfuse import _C
 
     x, w = _inputs([4, 4], 16, 8, dtype=torch.float32)
-    note = _C.grouped_gemm(x, list(w.unbind(0)), torch.empty(8, 8), [4, 4], 0, 1, None, None, 0, 0, None, 0,
-                           0, 0, 1, None, 0, 0)
-    assert note == "the tensors are on the CPU"
-    note = _C.grouped_gemm(x, list(w.unbind(0)), torch.empty(8, 8), [4, 4], 0, 1, None, None, 0, 0, None, 0,
-                           0, 0, 1, None, 0, 1)
-    assert note == "kernel='cublaslt' was asked for"
+    for kernel in (0, 1):
+        assert _C.grouped_gemm(x, list(w.unbind(0)), torch.empty(8, 8), [4, 4], 0, 1, None, None, 0, 0, None, 0,
+                               0, 0, 1, None, 0, kernel) is None
 
 
 # ---- the kernel (Hopper) ---------------------------------------------------
@@ -96,7 +95,8 @@ CASES = {  # splits, k, n
 def test_cuda_sm90_bf16_matches_cpu_and_cublaslt(case, seed):
     splits, k, n = CASES[case]
     x, w = _inputs(splits, k, n)
-    ref = moe.grouped_gemm(x.double(), w.double(), splits, transb=True)
+    ends = torch.tensor(splits).cumsum(0).tolist()
+    ref = torch.cat([x[lo:hi].double() @ w[g].double().T for g, (lo, hi) in enumerate(zip([0] + ends[:-1], ends))])
     xc, wl = x.cuda(), list(w.cuda().unbind(0))
     pad = torch.full((sum(splits) + 2, n + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = pad[:sum(splits), :n]  # row stride n + 8: the padding columns must stay NaN
@@ -110,10 +110,11 @@ def test_cuda_sm90_bf16_matches_cpu_and_cublaslt(case, seed):
 @pytest.mark.cuda
 @needs_hopper
 @needs_fp8
-@pytest.mark.parametrize("case", ["ragged", "eight", "long_k"])
-def test_cuda_sm90_fp8_matches_cpu_with_per_group_scales(case, seed):
-    splits, k, n = CASES[case]
-    k = 16 * ((k + 15) // 16)
+@pytest.mark.parametrize("splits,k,n", [([0, 208, 64], 48, 272), ([16, 304, 128, 0, 16, 256, 640, 32], 160, 1024),
+                                         ([704, 304], 1024, 80)], ids=["ragged", "eight", "long_k"])
+def test_cuda_sm90_fp8_matches_cpu_with_per_group_scales(splits, k, n, seed):
+    """Multiples of 16 (sf_gemm's FP8 rule, which every group is held to);
+    rows off the tile in FP8: bin/check_grouped_sm90."""
     G = len(splits)
     xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
     wq = torch.randn(G, n, k).to(torch.float8_e4m3fn)
@@ -173,21 +174,27 @@ def test_cuda_sm90_refuses_a_bad_group_as_cublaslt_does():
 
 @pytest.mark.cuda
 @needs_hopper
-def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog):
+def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     from seqfuse import _C
+    from seqfuse.common import notes
 
+    monkeypatch.setattr(notes, "_noted", set())
     splits = [32, 16]
     x, w = _inputs(splits, 64, 32, device="cuda")
     out = torch.empty(48, 32, dtype=torch.bfloat16, device="cuda")
     args = (x, list(w.unbind(0)), out, splits, 0, 1, None, None, 0, 0, None, 0, 0, 0, 1, None, 0)
     assert _C.grouped_gemm(*args, 0) is None  # auto: the kernel ran
     assert _C.grouped_gemm(*args, 2) is None
+    # of the kernel's form but not its rules (k = 12 is not a multiple of 8): cuBLASLt, said once
+    x12, w12 = x[:, :12].contiguous(), w[:, :, :12].contiguous()
+    assert _C.grouped_gemm(x12, list(w12.unbind(0)), out, splits, 0, 1, None, None, 0, 0, None, 0, 0, 0, 1, None,
+                           0, 0).startswith("the kernel needs k a positive multiple of 8")
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         for _ in range(2):
-            moe.grouped_gemm(x.half(), w.half(), splits, transb=True)
+            moe.grouped_gemm(x12, w12, splits, transb=True)
+            moe.grouped_gemm(x, w, splits)  # dgrad form: cuBLASLt is its route, nothing to say
     lines = [r.getMessage() for r in caplog.records if "not the sm90 kernel" in r.getMessage()]
-    assert len(lines) <= 1  # (once a process: an earlier test may have logged it)
-    assert all("bfloat16 or float8_e4m3fn" in ln for ln in lines)
+    assert len(lines) == 1 and "multiple of 8" in lines[0]
 
 
 @pytest.mark.cuda

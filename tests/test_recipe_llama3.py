@@ -263,3 +263,17 @@ def test_l0_sanity_cuda(precision, packed):
     h = out["history"]
     assert h["loss"][-1] < LN10 - 0.6, h["loss"]
     assert out["rates"][-1]["peak_mem_gib"] > 0 and out["rates"][-1]["mfu_measured"] > 0
+
+
+def test_recompute_activation_option_reaches_the_model():
+    """model.recompute_activation=true sets the config's mlp_recompute_activation
+    (named shapes too), and every decoder layer's LayerNormMLP takes it."""
+    assert trainer.model_config(load_config("L0_sanity")).mlp_recompute_activation is False
+    cfg = load_config("L0_sanity", ["model.recompute_activation=true"])
+    assert trainer.model_config(cfg).mlp_recompute_activation is True
+    assert trainer.model_config(load_config("1B", ["model.recompute_activation=true"])).mlp_recompute_activation
+    model, _ = trainer.build_model(cfg, torch.device("cpu"), torch.float32)
+    mlps = [layer.layernorm_mlp for layer in trainer.model_layers(model)]
+    assert mlps and all(m.recompute_activation for m in mlps)
+    with pytest.raises(ConfigError, match="recompute_activation"):
+        load_config("L0_sanity", ["model.recompute_activation=maybe"])

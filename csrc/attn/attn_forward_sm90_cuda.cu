@@ -37,16 +37,6 @@ namespace sm90 {
 
 constexpr int kBN = 128; /* keys per K/V tile */
 
-/* The body of a wgmma kernel in a build without sm_90a: the host never
- * launches it (forward_sm90_selected checks for this marker through the kernel's
- * static shared size). */
-#define SF_SM90_NOT_BUILT()                                                                            \
-    do {                                                                                               \
-        __shared__ volatile int not_built_for_sm90a[32];                                               \
-        not_built_for_sm90a[threadIdx.x & 31] = 1;                                                     \
-        __trap();                                                                                      \
-    } while (0)
-
 /* Where one block stands: its sequence, rows and the key tiles they see. */
 struct BlockPlan {
     int64_t qs, ks;         /* first token of the sequence in q / k views */

@@ -106,4 +106,17 @@ static inline int sf_grid_size(int64_t n, int block, int max_blocks)
     return (int)(blocks < max_blocks ? blocks : max_blocks);
 }
 
+#ifdef __CUDACC__
+/* The body of a wgmma (sm_90a) kernel in a build without sm_90a: the host
+ * never launches it, and tells by this marker, the kernel's static shared
+ * size (cudaFuncGetAttributes' sharedSizeBytes, 0 for the real kernels,
+ * whose shared memory is all dynamic); launched anyway, it traps. */
+#define SF_SM90_NOT_BUILT()                                                                            \
+    do {                                                                                               \
+        __shared__ volatile int not_built_for_sm90a[32];                                               \
+        not_built_for_sm90a[threadIdx.x & 31] = 1;                                                     \
+        __trap();                                                                                      \
+    } while (0)
+#endif
+
 #endif /* SF_CUDA_UTIL_H */

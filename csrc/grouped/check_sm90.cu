@@ -291,6 +291,7 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
         ga.transb = 1;
         ga.workspace = &tws;
         ga.lanes = li == 0 ? 1 : 0;
+        ga.kernel = SF_GROUPED_KERNEL_CUBLASLT; /* (auto would take the sm90 kernel here) */
         if (fp8) {
             ga.a_scale_inv = &sa;
             ga.b_scale_inv = &sb;

@@ -282,6 +282,7 @@ static const char *sm90_form(const sf_grouped_gemm_args *args)
     return NULL;
 }
 
+#ifdef SF_WITH_CUDA
 static const float *scale_ptr(const sf_tensor *per_group, const sf_tensor *list, int g)
 {
     if (list)
@@ -289,16 +290,24 @@ static const float *scale_ptr(const sf_tensor *per_group, const sf_tensor *list,
     return sf_numel(per_group) > 1 ? (const float *)per_group->data + (int64_t)g * per_group->strides[0]
                                     : (const float *)per_group->data;
 }
+#endif
 
 /* The sm90 kernel's route (see Kernel in seqfuse_grouped.h).  *taken = 1
- * when it ran the call (or refused it: the status says); 0 with *why when
- * the call goes to cuBLASLt instead. */
-static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, int *taken, const char **why)
+ * when it ran the call (or refused it: the status says); 0 when the call
+ * goes to cuBLASLt instead, with *form = 0 where the call is not of the
+ * kernel's form (cuBLASLt is its only route) or 1 and *why where it is but
+ * the kernel cannot take it. */
+static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, int *taken, int *form,
+                          const char **why)
 {
     *taken = 0;
+    *form = 0;
 #ifdef SF_WITH_CUDA
     if ((*why = sm90_form(args)) != NULL)
         return SF_OK;
+    *form = 1;
+    if ((*why = sf_grouped_sm90_device_unfit(args->a->device_id)) != NULL)
+        return SF_OK; /* (before any per-group work: a GPU that is not Hopper pays nothing here) */
     sf_grouped_sm90_args local; /* ~2.6 KiB */
     memset(&local, 0, sizeof local);
     local.dtype = args->a->dtype;
@@ -314,6 +323,10 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
         *why = "it takes a and out with unit column stride";
         return SF_OK;
     }
+    if (local.k == 0 || local.n == 0 || args->a->shape[0] == 0) {
+        *why = "the product is empty (no rows, k or n of 0)";
+        return SF_OK; /* (the per-group route writes or skips each group as it does every empty product) */
+    }
     sf_gemm_args ga;
     sf_gemm_args_init(&ga);
     ga.transb = 1;
@@ -324,6 +337,10 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
         local.row_start[g + 1] = off + rows;
         local.b[g] = args->b_list[g].data;
         local.ldb[g] = args->b_list[g].ndim == 2 ? args->b_list[g].strides[0] : 0;
+        if (args->b_list[g].ndim != 2 || args->b_list[g].dtype != local.dtype) {
+            *why = "its groups' b are not all 2-D of a's dtype"; /* (the per-group route names the group) */
+            return SF_OK;
+        }
         if (rows == 0)
             continue;
         /* the group under sf_gemm's rules: a refusal is the call's error, as on cuBLASLt */
@@ -406,22 +423,21 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     /* The sm90 kernel: every group in one launch (Kernel in seqfuse_grouped.h). */
     const sf_tensor *first_a = args->a ? args->a : &args->a_list[0];
     const char *not_sm90 = "the tensors are on the CPU";
+    int form = 0;
+    if (args->kernel_note)
+        *args->kernel_note = NULL;
     if (args->kernel != SF_GROUPED_KERNEL_CUBLASLT) {
         int taken = 0;
         sf_status st = SF_OK;
         if (first_a->device != SF_CPU)
-            st = try_sm90(args, stream, &taken, &not_sm90);
-        if (taken) {
-            if (args->kernel_note)
-                *args->kernel_note = NULL;
+            st = try_sm90(args, stream, &taken, &form, &not_sm90);
+        if (taken)
             return st;
-        }
         if (args->kernel == SF_GROUPED_KERNEL_SM90)
             return sf_fail(SF_ERR_VALUE, "%s: kernel='sm90' cannot take this call: %s", OP, not_sm90);
+        if (args->kernel_note && form)
+            *args->kernel_note = not_sm90;
     }
-    if (args->kernel_note)
-        *args->kernel_note = args->kernel == SF_GROUPED_KERNEL_CUBLASLT ? "kernel='cublaslt' was asked for"
-                                                                        : not_sm90;
 
     /* Lanes (CUDA, 2 or more non-empty groups): open here, closed on the one
      * way out below, error or not. */

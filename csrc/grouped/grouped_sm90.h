@@ -47,6 +47,11 @@ typedef struct {
     int device_id;
 } sf_grouped_sm90_args;
 
+/* NULL when device `device_id` runs the kernel (compute capability 9.0,
+ * the library's kernel built for sm_90a), else why not (a static string);
+ * asked of the device once. */
+const char *sf_grouped_sm90_device_unfit(int device_id);
+
 /* NULL when `args` fits the kernel on this build and device, else the rule
  * it breaks (a static string naming the argument): compute capability 9.0
  * with an sm_90a build; k and n multiples of 16 bytes of elements (8 bf16,

@@ -43,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
+#include <string.h>
 
 #include "../core/cuda_util.h"
 #include "grouped_sm90.h"
@@ -319,6 +320,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
             }
         }
     }
+#else
+    SF_SM90_NOT_BUILT();
 #endif
 }
 
@@ -362,25 +365,45 @@ const char *encode(CUtensorMap *map, EncodeTiled fn, bool fp8, const void *ptr, 
     return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled refused an operand";
 }
 
-bool built_for_sm90a(int device)
+/* NULL when `device` runs the kernel (compute capability 9.0 and this
+ * library's kernel built for sm_90a: SF_SM90_NOT_BUILT's marker absent),
+ * else why not; asked once per device, on that device. */
+const char *device_unfit(int device)
 {
-    static int cached[64] = {0}; /* 0 unknown, 1 yes, 2 no */
+    static std::once_flag once[64];
+    static const char *why[64];
     if (device < 0 || device >= 64)
-        return false;
-    if (!cached[device]) {
+        return "the kernel takes device ids 0 to 63";
+    std::call_once(once[device], [device] {
+        int major = 0, minor = 0;
         cudaFuncAttributes fa;
-        cudaDeviceProp prop;
-        bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                  cudaFuncGetAttributes(&fa, grouped_sm90_kernel<false, Library>) == cudaSuccess && fa.binaryVersion == 90;
-        cudaGetLastError();
-        cached[device] = ok ? 1 : 2;
-    }
-    return cached[device] == 1;
+        memset(&fa, 0, sizeof fa);
+        sf_cuda_device_guard guard;
+        if (sf_cuda_device_enter("grouped_gemm", device, &guard) != SF_OK) {
+            why[device] = "the device could not be made current";
+            return;
+        }
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+            (void)cudaGetLastError();
+            why[device] = "the device's compute capability could not be read";
+        } else if (major != 9 || minor != 0) {
+            why[device] = "the kernel runs on compute capability 9.0 (Hopper) only";
+        } else if (cudaFuncGetAttributes(&fa, (const void *)grouped_sm90_kernel<false, Library>) != cudaSuccess ||
+                   fa.sharedSizeBytes != 0) {
+            (void)cudaGetLastError();
+            why[device] = "the library was not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
+        }
+        sf_cuda_device_restore(&guard);
+    });
+    return why[device];
 }
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 } // namespace
+
+extern "C" const char *sf_grouped_sm90_device_unfit(int device_id) { return device_unfit(device_id); }
 
 extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
 {
@@ -408,9 +431,7 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
         if (a->dtype == SF_FLOAT8_E4M3 && (!a->a_scale_inv[g] || !a->b_scale_inv[g]))
             return "the FP8 kernel needs a scale inverse for a and b of every group";
     }
-    if (!built_for_sm90a(a->device_id))
-        return "the kernel runs on compute capability 9.0 with a library built for sm_90a";
-    return nullptr;
+    return device_unfit(a->device_id);
 }
 
 namespace {
@@ -438,27 +459,30 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
     p.n_tiles = (int)((a->n + C::BN - 1) / C::BN);
     p.tile_start[0] = 0;
     p.row_start[0] = 0;
-    if ((why = encode(&p.a_map, fn, fp8, a->a, rows, a->k, a->lda, kBM)))
-        return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (a)", why);
     for (int g = 0; g < a->groups; ++g) {
         const int64_t m = a->row_start[g + 1] - a->row_start[g];
         p.row_start[g + 1] = (int)a->row_start[g + 1];
         p.tile_start[g + 1] = p.tile_start[g] + (int)((m + kBM - 1) / kBM) * p.n_tiles;
-        if (m > 0 && (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], C::BN)))
+    }
+    p.total_tiles = p.tile_start[a->groups];
+    if (p.total_tiles == 0) /* (no rows: nothing to encode or launch) */
+        return SF_OK;
+    if ((why = encode(&p.a_map, fn, fp8, a->a, rows, a->k, a->lda, kBM)))
+        return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (a)", why);
+    for (int g = 0; g < a->groups; ++g) {
+        if (p.row_start[g + 1] > p.row_start[g] &&
+            (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], C::BN)))
             return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (b of group %d)", why, g);
         p.a_scale_inv[g] = fp8 ? a->a_scale_inv[g] : nullptr;
         p.b_scale_inv[g] = fp8 ? a->b_scale_inv[g] : nullptr;
     }
-    p.total_tiles = p.tile_start[a->groups];
-    if (p.total_tiles == 0)
-        return SF_OK;
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("grouped_gemm", a->device_id, &guard));
     const int sms = sf_cuda_sm_count(a->device_id);
     const int grid = p.total_tiles < sms ? p.total_tiles : sms;
     cudaError_t e = cudaSuccess;
     auto kernel = fp8 ? grouped_sm90_kernel<true, C> : grouped_sm90_kernel<false, C>;
-    static bool attr_set[2][64]; /* (device ids were checked below 64 by sf_grouped_sm90_unfit) */
+    static bool attr_set[2][64]; /* (device ids were checked below 64 by sf_grouped_sm90_unfit; set under the lock) */
     if (!attr_set[fp8][a->device_id]) {
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
         attr_set[fp8][a->device_id] = e == cudaSuccess;

@@ -80,8 +80,9 @@ typedef struct sf_grouped_gemm_args {
                                       stream alone) or 2 to SF_GROUPED_MAX_LANES concurrent
                                       streams (see Route) */
     int kernel;                    /* CUDA: an sf_grouped_kernel (see Kernel) */
-    const char **kernel_note;      /* out, or NULL: under SF_GROUPED_KERNEL_AUTO, why the call did not
-                                      take the sm90 kernel (a static string), NULL when it did */
+    const char **kernel_note;      /* out, or NULL: under SF_GROUPED_KERNEL_AUTO, why a call of the sm90
+                                      kernel's form (below) did not take it (a static string); NULL
+                                      when it did, or when the call is not of that form */
 } sf_grouped_gemm_args;
 
 /* Kernel: which CUDA code runs the groups.

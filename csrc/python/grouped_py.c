@@ -39,7 +39,7 @@ typedef struct {
     int64_t *m;
     grouped_operand op[N_OPERANDS];
     sf_grouped_gemm_args g;
-    const char *kernel_note; /* the C entry's: why the sm90 kernel did not run, or NULL */
+    const char *kernel_note; /* the C entry's: why a call of the sm90 kernel's form did not take it, or NULL */
 } grouped_state;
 
 /* None, a list / tuple of G tensors (imported as views), or one tensor. */
@@ -204,8 +204,8 @@ static sf_status grouped_call(sf_py_value *v, sf_stream s)
 {
     return sf_grouped_gemm(v[SPLITS].p, s);
 }
-/* The result: None where the sm90 kernel ran the call, else why it did not
- * (the C entry's static string). */
+/* The result: why a call of the sm90 kernel's form did not take it (the C
+ * entry's static string), else None (it ran, or the call is not of its form). */
 static PyObject *grouped_result(sf_py_frame *f)
 {
     grouped_state *st;
@@ -216,7 +216,7 @@ static PyObject *grouped_result(sf_py_frame *f)
 }
 SF_PY_BINDING_FULL(grouped_gemm, "grouped_gemm", grouped_args, grouped_call, grouped_prepare,
                    grouped_cleanup, grouped_result,
-                   "Per group g, out_g = op(a_g) @ op(b_g); returns None where the sm90 kernel ran "
-                   "it, else why it did not. See seqfuse.ops.moe.grouped_gemm.");
+                   "Per group g, out_g = op(a_g) @ op(b_g); returns why a call of the sm90 kernel's "
+                   "form did not take it, else None. See seqfuse.ops.moe.grouped_gemm.");
 
 const sf_py_binding *const sf_py_grouped_bindings[] = {&grouped_gemm_binding, NULL};

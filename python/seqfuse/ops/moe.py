@@ -228,14 +228,18 @@ KERNELS = {"auto": 0, "cublaslt": 1, "sm90": 2}  # sf_grouped_kernel
 
 
 def _kernel(op, kernel):
-    """The C entry's kernel code of ``kernel`` (None: SEQFUSE_GROUPED_KERNEL, else "auto")."""
-    name = "argument 'kernel'"
+    """The C entry's kernel code of ``kernel`` (None: SEQFUSE_GROUPED_KERNEL, else "auto").
+    The variable takes "auto" or "cublaslt" only: it reaches every grouped
+    GEMM of a model, whose backward products the sm90 kernel does not take."""
     if kernel is None:
-        kernel = os.environ.get("SEQFUSE_GROUPED_KERNEL") or "auto"
-        name = "environment variable SEQFUSE_GROUPED_KERNEL"
+        env = os.environ.get("SEQFUSE_GROUPED_KERNEL") or "auto"
+        if env not in ("auto", "cublaslt"):
+            raise ValueError(f"{op}: environment variable SEQFUSE_GROUPED_KERNEL must be 'auto' or 'cublaslt' "
+                             f"(kernel='sm90' is a per-call argument), got {env!r}")
+        return KERNELS[env]
     code = KERNELS.get(kernel) if isinstance(kernel, str) else None
     if code is None:
-        raise ValueError(f"{op}: {name} must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        raise ValueError(f"{op}: argument 'kernel' must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
     return code
 
 
@@ -284,8 +288,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         capture it); listed outputs that share memory run on it alone, as
         do the calls of a ninth and later stream to use lanes on a device
         (each stream keeps its own lane streams); the CPU ignores lanes.
-    kernel: on CUDA, "auto" (None: SEQFUSE_GROUPED_KERNEL when set, else
-        "auto"), "cublaslt" or "sm90".  "sm90" is seqfuse's persistent
+    kernel: on CUDA, "auto" (None: SEQFUSE_GROUPED_KERNEL when set, "auto"
+        or "cublaslt", else "auto"), "cublaslt" or "sm90".  "sm90" is seqfuse's persistent
         Hopper kernel, every group's output tiles in one launch (so the
         groups share the GPU's waves, and the call costs one launch of host
         work): the forward form only (a and out split, b a list or [G, n,
@@ -293,8 +297,9 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         bfloat16, or e4m3 with per-tensor scales and fast_accum=True, to a
         bfloat16 out; k and n multiples of 16 bytes.  "auto" takes it where
         the call fits and otherwise runs one cuBLASLt call per group (with
-        lanes), logging the reason once (logger "seqfuse"); "sm90" refuses a
-        call it cannot take with the rule.
+        lanes), logging once why a call of the kernel's form did not take it
+        (logger "seqfuse", on Hopper); "sm90" refuses a call it cannot take
+        with the rule.
     Returns out, or (out, bias_grads) with bgrad.
     """
     op = "grouped_gemm"

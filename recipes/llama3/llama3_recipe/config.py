@@ -53,6 +53,7 @@ class ModelConfig:
     tie_word_embeddings: bool = rule(True, Bool())
     rope_theta: float = rule(500000.0, Float(0.0, lo_open=True))
     max_position_embeddings: int = rule(8192, Int(1))
+    recompute_activation: bool = rule(False, Bool())  # SeqfuseLlamaConfig.mlp_recompute_activation
 
 
 @dataclass

@@ -159,13 +159,15 @@ def tokenizer():
 def model_config(cfg):
     """SeqfuseLlamaConfig: a published Llama 3 shape (model.size) or the
     config's fields; the vocabulary and special ids are the nucleotide
-    tokenizer's."""
+    tokenizer's; model.recompute_activation is the MLP's
+    mlp_recompute_activation (its SwiGLU output made again in the backward
+    from the kept fc1 output instead of saved)."""
     from seqfuse.hf import SeqfuseLlamaConfig, llama3_config
 
     tok = tokenizer()
-    ids = dict(vocab_size=len(tok.vocab), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
     m = cfg.model
+    ids = dict(vocab_size=len(tok.vocab), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, mlp_recompute_activation=bool(m.recompute_activation))
     if m.size:
         return llama3_config(str(m.size), **ids)
     return SeqfuseLlamaConfig(hidden_size=int(m.hidden_size), num_hidden_layers=int(m.num_hidden_layers),
