@@ -183,8 +183,18 @@ def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     x, w = _inputs(splits, 64, 32, device="cuda")
     out = torch.empty(48, 32, dtype=torch.bfloat16, device="cuda")
     args = (x, list(w.unbind(0)), out, splits, 0, 1, None, None, 0, 0, None, 0, 0, 0, 1, None, 0)
-    assert _C.grouped_gemm(*args, 0) is None  # auto: the kernel ran
+    import importlib
+
+    gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module (seqfuse.ops.gemm is the op)
+    gemm_mod.plan_cache_clear()
+    q0 = gemm_mod.heuristic_queries()
+    assert _C.grouped_gemm(*args, 0) is None  # auto, small groups: the kernel ran (no cuBLASLt plan asked for)
     assert _C.grouped_gemm(*args, 2) is None
+    assert gemm_mod.heuristic_queries() == q0
+    big = [4096, 4096]  # 32 x 4 tiles of 128 x 256 a group: one cuBLASLt call a group fills an H100 (132 SMs)
+    xb, wb = _inputs(big, 64, 1024, device="cuda")
+    moe.grouped_gemm(xb, wb, big, transb=True)
+    assert gemm_mod.heuristic_queries() > q0  # auto chose cuBLASLt
     # of the kernel's form but not its rules (k = 12 is not a multiple of 8): cuBLASLt, said once
     x12, w12 = x[:, :12].contiguous(), w[:, :, :12].contiguous()
     assert _C.grouped_gemm(x12, list(w12.unbind(0)), out, splits, 0, 1, None, None, 0, 0, None, 0, 0, 0, 1, None,
@@ -192,7 +202,7 @@ def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="seqfuse"):
         for _ in range(2):
             moe.grouped_gemm(x12, w12, splits, transb=True)
-            moe.grouped_gemm(x, w, splits)  # dgrad form: cuBLASLt is its route, nothing to say
+            moe.grouped_gemm(torch.randn_like(out), w, splits)  # dgrad form: cuBLASLt is its route, nothing to say
     lines = [r.getMessage() for r in caplog.records if "not the sm90 kernel" in r.getMessage()]
     assert len(lines) == 1 and "multiple of 8" in lines[0]
 

@@ -370,6 +370,10 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     }
     if ((*why = sf_grouped_sm90_unfit(&local)) != NULL)
         return SF_OK;
+    if (args->kernel == SF_GROUPED_KERNEL_AUTO && !sf_grouped_sm90_pays(&local)) {
+        *form = 0; /* (cuBLASLt is the faster route here, not a fallback: nothing to note) */
+        return SF_OK;
+    }
     *taken = 1;
     return sf_grouped_sm90_run(&local, stream);
 #else
