@@ -259,15 +259,31 @@ def test_cuda_fp8_matches_cpu(splits, lanes, seed):
 
 def test_per_group_scales_are_laid_out_aligned():
     """The FP8 grouped GEMM hands cuBLASLt each group's scale at its own
-    256-byte-aligned address: the views hold the values, 256 bytes apart
+    256-byte-aligned address: one tensor holding the values 256 bytes apart
     from an aligned base (the caching allocator's CUDA blocks are)."""
     from seqfuse.ops.moe import _aligned_scalars
 
     vals = torch.rand(5) + 0.5
-    views = _aligned_scalars(vals)
-    base = views[0].data_ptr()
-    assert [v.item() for v in views] == vals.tolist()
-    assert all(v.numel() == 1 and (v.data_ptr() - base) == 256 * g for g, v in enumerate(views))
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        spaced = _aligned_scalars(vals.to(device))
+        assert spaced.dim() == 1 and spaced.stride(0) * 4 == 256 and spaced.tolist() == vals.tolist()
+        if device == "cuda":  # (the caching allocator's blocks are 256-byte aligned)
+            assert spaced.data_ptr() % 256 == 0
+
+
+@pytest.mark.cuda
+@needs_fp8
+def test_cuda_fp8_misaligned_scales_are_realigned(seed):
+    """Scale inverses 4 bytes into a buffer (one group, a list of one, a shared one): copied to aligned
+    addresses, not refused by cuBLASLt's 16-byte rule."""
+    xq = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    wq = torch.randn(1, 48, 64).to(torch.float8_e4m3fn)
+    buf = torch.rand(3) + 0.5
+    ref = moe.grouped_gemm(xq, wq, [32], transb=True, a_scale_inv=buf[1:2], b_scale_inv=buf[2:3])
+    bc = buf.cuda()
+    for sa, sb in ((bc[1:2], bc[2:3]), ([bc[1:2]], [bc[2:3]])):
+        out = moe.grouped_gemm(xq.cuda(), wq.cuda(), [32], transb=True, a_scale_inv=sa, b_scale_inv=sb)
+        assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
 
 
 # ---- lanes: the groups' GEMMs on several CUDA streams ----------------------

@@ -179,6 +179,7 @@ def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     from seqfuse.common import notes
 
     monkeypatch.setattr(notes, "_noted", set())
+    monkeypatch.delenv("SEQFUSE_GROUPED_KERNEL", raising=False)
     splits = [32, 16]
     x, w = _inputs(splits, 64, 32, device="cuda")
     out = torch.empty(48, 32, dtype=torch.bfloat16, device="cuda")
@@ -193,7 +194,7 @@ def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     assert gemm_mod.heuristic_queries() == q0
     big = [4096, 4096]  # 32 x 4 tiles of 128 x 256 a group: one cuBLASLt call a group fills an H100 (132 SMs)
     xb, wb = _inputs(big, 64, 1024, device="cuda")
-    moe.grouped_gemm(xb, wb, big, transb=True)
+    moe.grouped_gemm(xb, wb, big, transb=True, kernel="auto")
     assert gemm_mod.heuristic_queries() > q0  # auto chose cuBLASLt
     # of the kernel's form but not its rules (k = 12 is not a multiple of 8): cuBLASLt, said once
     x12, w12 = x[:, :12].contiguous(), w[:, :, :12].contiguous()

@@ -308,6 +308,11 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     *form = 1;
     if ((*why = sf_grouped_sm90_device_unfit(args->a->device_id)) != NULL)
         return SF_OK; /* (before any per-group work: a GPU that is not Hopper pays nothing here) */
+    if (args->kernel == SF_GROUPED_KERNEL_AUTO &&
+        !sf_grouped_sm90_pays(args->m_splits, args->num_groups, args->out->shape[1], args->a->device_id)) {
+        *form = 0; /* (cuBLASLt is the faster route here, not a fallback: nothing to note) */
+        return SF_OK;
+    }
     sf_grouped_sm90_args local; /* ~2.6 KiB */
     memset(&local, 0, sizeof local);
     local.dtype = args->a->dtype;
@@ -370,10 +375,6 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     }
     if ((*why = sf_grouped_sm90_unfit(&local)) != NULL)
         return SF_OK;
-    if (args->kernel == SF_GROUPED_KERNEL_AUTO && !sf_grouped_sm90_pays(&local)) {
-        *form = 0; /* (cuBLASLt is the faster route here, not a fallback: nothing to note) */
-        return SF_OK;
-    }
     *taken = 1;
     return sf_grouped_sm90_run(&local, stream);
 #else

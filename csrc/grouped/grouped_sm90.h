@@ -59,17 +59,18 @@ const char *sf_grouped_sm90_device_unfit(int device_id);
  * same 16 bytes; every pointer 16-byte aligned; rows below 2^31. */
 const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
 
-/* 1 when the kernel is the faster route for `args` (fitting it), 0 when
- * one cuBLASLt call per group is: the kernel pays where the average group
- * with rows has at most a quarter of the device's SMs in output tiles of
- * 128 x 256, so one GEMM a group leaves most of the GPU idle (and its host
- * work is paid G times).  Measured on an H100 (s45, Mixtral-small's experts,
- * 32,768 routed rows): at 64 experts the down projection (16 tiles a group)
- * ran 586-677 TFLOP/s bf16 on the kernel against 426-544 on cuBLASLt with
- * lanes (e4m3 998-1,126 against 616-637); at 8 experts (128 tiles a group)
- * and in every up projection (n = 7,168: 112+ tiles a group) cuBLASLt was
- * faster (bf16 fc1 at 8 experts 752 against the kernel's 500). */
-int sf_grouped_sm90_pays(const sf_grouped_sm90_args *args);
+/* 1 when the kernel is the faster route for groups of m_splits rows and n
+ * output columns on device_id, 0 when one cuBLASLt call per group is: the
+ * kernel pays where the average group with rows has at most a quarter of
+ * the device's SMs in output tiles of 128 x 256, so one GEMM a group leaves
+ * most of the GPU idle (and its host work is paid G times).  Measured on an
+ * H100 (s45, Mixtral-small's experts, 32,768 routed rows, the library's
+ * rows-first tile order): at 64 experts the down projection (16 tiles a
+ * group) ran 594-677 TFLOP/s bf16 on the kernel against 426-544 on cuBLASLt
+ * with lanes (e4m3 1,013-1,126 against 616-637); at 8 experts (128 tiles a
+ * group) and in every up projection (n = 7,168: 112+ tiles a group)
+ * cuBLASLt was faster (bf16 fc1 at 8 experts 790-799 against 500). */
+int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int device_id);
 
 /* Launches the kernel on `stream` (args checked by sf_grouped_sm90_unfit
  * first; a failure there is returned as SF_ERR_VALUE with that rule).
@@ -78,9 +79,9 @@ int sf_grouped_sm90_pays(const sf_grouped_sm90_args *args);
 sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream);
 
 #ifdef SF_WORKBENCH
-/* The check's tile shapes (grouped_sm90_cuda.cu): 0 128 x 256 with 4
- * stages along the columns first, 1 the same down the rows first (the
- * library's), 2 and 3 those orders at 128 x 128 tiles with 6 stages. */
+/* The check's tile shapes (grouped_sm90_cuda.cu): 0 the library's (128 x
+ * 256, 4 stages, down the rows first), 1 the same along the columns first,
+ * 2 and 3 those orders at 128 x 128 tiles with 6 stages. */
 sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *args, int variant, sf_stream stream);
 #endif
 

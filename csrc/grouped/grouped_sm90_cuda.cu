@@ -70,10 +70,10 @@ template <int BN_, int STAGES_, bool MFAST_> struct Cfg {
     static constexpr int SMEM = STAGES * STAGE_BYTES + 1024 /* alignment */ + 1024 /* barriers, tables */;
 };
 /* The library's shape; the check times the others.  Measured on an H100
- * (s45, bin/check_grouped_sm90, Mixtral-small's experts): down the rows
- * first beat along the columns first in 15 of 16 rows (8 experts' down
- * projection 720 against 647 TFLOP/s bf16, 1,212 against 1,131 e4m3), and
- * 128 x 128 tiles with 6 stages lost to 128 x 256 everywhere. */
+ * (s45, bin/check_grouped_sm90 at a529852, Mixtral-small's experts): down
+ * the rows first beat along the columns first in 15 of 16 rows (8 experts'
+ * down projection 720 against 647 TFLOP/s bf16, 1,212 against 1,131 e4m3),
+ * and 128 x 128 tiles with 6 stages lost to 128 x 256 everywhere. */
 using Library = Cfg<256, 4, true>;
 
 struct Params {
@@ -410,19 +410,17 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 extern "C" const char *sf_grouped_sm90_device_unfit(int device_id) { return device_unfit(device_id); }
 
-extern "C" int sf_grouped_sm90_pays(const sf_grouped_sm90_args *a)
+extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int device_id)
 {
     int64_t tiles = 0;
     int busy = 0;
-    const int64_t n_tiles = (a->n + Library::BN - 1) / Library::BN;
-    for (int g = 0; g < a->groups; ++g) {
-        const int64_t m = a->row_start[g + 1] - a->row_start[g];
-        if (m > 0) {
-            tiles += (m + kBM - 1) / kBM * n_tiles;
+    const int64_t n_tiles = (n + Library::BN - 1) / Library::BN;
+    for (int g = 0; g < groups; ++g)
+        if (m_splits[g] > 0) {
+            tiles += (m_splits[g] + kBM - 1) / kBM * n_tiles;
             ++busy;
         }
-    }
-    return busy > 0 && 4 * tiles <= (int64_t)busy * sf_cuda_sm_count(a->device_id);
+    return busy > 0 && 4 * tiles <= (int64_t)busy * sf_cuda_sm_count(device_id);
 }
 
 extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
@@ -529,10 +527,10 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
 extern "C" sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *a, int variant, sf_stream stream)
 {
     switch (variant) {
-    case 0: return run<Cfg<256, 4, false>>(a, stream);
-    case 1: return run<Cfg<256, 4, true>>(a, stream);
-    case 2: return run<Cfg<128, 6, false>>(a, stream);
-    case 3: return run<Cfg<128, 6, true>>(a, stream);
+    case 0: return run<Library>(a, stream);
+    case 1: return run<Cfg<256, 4, false>>(a, stream);
+    case 2: return run<Cfg<128, 6, true>>(a, stream);
+    case 3: return run<Cfg<128, 6, false>>(a, stream);
     default: return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): no variant %d", variant);
     }
 }
