@@ -257,6 +257,47 @@ static sf_status write_empty_product(const sf_grouped_gemm_args *args, sf_tensor
     return SF_OK;
 }
 
+/* The sf_gemm arguments every group's product shares. */
+static void gemm_args_of(const sf_grouped_gemm_args *args, sf_gemm_args *ga)
+{
+    sf_gemm_args_init(ga);
+    ga->transa = args->transa;
+    ga->transb = args->transb;
+    ga->accumulate = args->accumulate;
+    ga->fast_accum = args->fast_accum;
+    ga->allow_tf32 = args->allow_tf32;
+    ga->workspace = args->workspace;
+}
+
+/* Group g's operand views and scale inverses (held in *v), set in *ga. */
+typedef struct {
+    sf_tensor a, b, out, sa, sb;
+} group_views;
+
+static void group_operands(const sf_grouped_gemm_args *args, int g, int64_t off, group_views *v,
+                           sf_gemm_args *ga)
+{
+    const int64_t rows = args->m_splits[g];
+    view_at(args->a, args->a_list, g, off, rows, &v->a);
+    view_at(args->b, args->b_list, g, off, rows, &v->b);
+    view_at(args->out, args->out_list, g, off, rows, &v->out);
+    ga->a = &v->a;
+    ga->b = &v->b;
+    ga->out = &v->out;
+    group_scale(args->a_scale_inv, args->a_scale_list, args->a_scaling, g, &v->sa, &ga->a_scale_inv,
+                &ga->a_scaling);
+    group_scale(args->b_scale_inv, args->b_scale_list, args->b_scaling, g, &v->sb, &ga->b_scale_inv,
+                &ga->b_scaling);
+}
+
+/* Group g's refusal `st` (sf_last_error's message) with the group named. */
+static sf_status group_failed(sf_status st, int g, int64_t rows)
+{
+    char why[768];
+    snprintf(why, sizeof why, "%s", sf_last_error());
+    return sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, why);
+}
+
 /* Why the sm90 kernel cannot take this call's form, or NULL (the kernel's
  * own numeric rules, sf_grouped_sm90_unfit, come after). */
 static const char *sm90_form(const sf_grouped_gemm_args *args)
@@ -281,16 +322,6 @@ static const char *sm90_form(const sf_grouped_gemm_args *args)
     }
     return NULL;
 }
-
-#ifdef SF_WITH_CUDA
-static const float *scale_ptr(const sf_tensor *per_group, const sf_tensor *list, int g)
-{
-    if (list)
-        return (const float *)list[g].data;
-    return sf_numel(per_group) > 1 ? (const float *)per_group->data + (int64_t)g * per_group->strides[0]
-                                    : (const float *)per_group->data;
-}
-#endif
 
 /* The sm90 kernel's route (see Kernel in seqfuse_grouped.h).  *taken = 1
  * when it ran the call (or refused it: the status says); 0 when the call
@@ -333,44 +364,30 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
         return SF_OK; /* (the per-group route writes or skips each group as it does every empty product) */
     }
     sf_gemm_args ga;
-    sf_gemm_args_init(&ga);
-    ga.transb = 1;
-    ga.fast_accum = args->fast_accum;
+    gemm_args_of(args, &ga);
     int64_t off = 0;
     for (int g = 0; g < args->num_groups; off += args->m_splits[g], ++g) {
         const int64_t rows = args->m_splits[g];
-        local.row_start[g + 1] = off + rows;
-        local.b[g] = args->b_list[g].data;
-        local.ldb[g] = args->b_list[g].ndim == 2 ? args->b_list[g].strides[0] : 0;
         if (args->b_list[g].ndim != 2 || args->b_list[g].dtype != local.dtype) {
             *why = "its groups' b are not all 2-D of a's dtype"; /* (the per-group route names the group) */
             return SF_OK;
         }
+        local.row_start[g + 1] = off + rows;
+        local.b[g] = args->b_list[g].data;
+        local.ldb[g] = args->b_list[g].strides[0];
         if (rows == 0)
             continue;
         /* the group under sf_gemm's rules: a refusal is the call's error, as on cuBLASLt */
-        sf_tensor a, out, sa, sb;
-        view_at(args->a, NULL, g, off, rows, &a);
-        view_at(args->out, NULL, g, off, rows, &out);
-        ga.a = &a;
-        ga.b = &args->b_list[g];
-        ga.out = &out;
-        ga.a_scale_inv = ga.b_scale_inv = NULL;
-        ga.a_scaling = ga.b_scaling = SF_GEMM_SCALE_NONE;
-        group_scale(args->a_scale_inv, args->a_scale_list, args->a_scaling, g, &sa, &ga.a_scale_inv,
-                    &ga.a_scaling);
-        group_scale(args->b_scale_inv, args->b_scale_list, args->b_scaling, g, &sb, &ga.b_scale_inv,
-                    &ga.b_scaling);
+        group_views v;
+        group_operands(args, g, off, &v, &ga);
         sf_status st = sf_gemm_validate(&ga);
         if (st != SF_OK) {
-            char msg[768];
-            snprintf(msg, sizeof msg, "%s", sf_last_error());
             *taken = 1;
-            return sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, msg);
+            return group_failed(st, g, rows);
         }
         if (local.dtype == SF_FLOAT8_E4M3) {
-            local.a_scale_inv[g] = scale_ptr(args->a_scale_inv, args->a_scale_list, g);
-            local.b_scale_inv[g] = scale_ptr(args->b_scale_inv, args->b_scale_list, g);
+            local.a_scale_inv[g] = (const float *)ga.a_scale_inv->data; /* (group_scale's view of group g) */
+            local.b_scale_inv[g] = (const float *)ga.b_scale_inv->data;
         }
     }
     if ((*why = sf_grouped_sm90_unfit(&local)) != NULL)
@@ -426,7 +443,7 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
                        "got %d", OP, args->kernel);
 
     /* The sm90 kernel: every group in one launch (Kernel in seqfuse_grouped.h). */
-    const sf_tensor *first_a = args->a ? args->a : &args->a_list[0];
+    const sf_tensor *first = args->a ? args->a : &args->a_list[0];
     const char *not_sm90 = "the tensors are on the CPU";
     int form = 0;
     if (args->kernel_note)
@@ -434,7 +451,7 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     if (args->kernel != SF_GROUPED_KERNEL_CUBLASLT) {
         int taken = 0;
         sf_status st = SF_OK;
-        if (first_a->device != SF_CPU)
+        if (first->device != SF_CPU)
             st = try_sm90(args, stream, &taken, &form, &not_sm90);
         if (taken)
             return st;
@@ -446,7 +463,6 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
 
     /* Lanes (CUDA, 2 or more non-empty groups): open here, closed on the one
      * way out below, error or not. */
-    const sf_tensor *first = args->a ? args->a : &args->a_list[0];
     sf_grouped_lanes lanes = {0};
     double load[SF_GROUPED_MAX_LANES] = {0}; /* m n k issued to each lane (double: no overflow) */
     sf_tensor lane_ws[SF_GROUPED_MAX_LANES];
@@ -468,30 +484,20 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
 
     sf_status st = SF_OK;
     sf_gemm_args ga;
-    sf_gemm_args_init(&ga);
-    ga.transa = args->transa;
-    ga.transb = args->transb;
-    ga.accumulate = args->accumulate;
-    ga.fast_accum = args->fast_accum;
-    ga.allow_tf32 = args->allow_tf32;
-    ga.workspace = args->workspace;
+    gemm_args_of(args, &ga);
     int64_t off = 0; /* row offset of group g in the split operands */
     for (int g = 0; st == SF_OK && g < G; off += args->m_splits[g], ++g) {
         int64_t rows = args->m_splits[g];
-        sf_tensor a, b, out, bias, sa, sb;
-        view_at(args->a, args->a_list, g, off, rows, &a);
-        view_at(args->b, args->b_list, g, off, rows, &b);
-        view_at(args->out, args->out_list, g, off, rows, &out);
-        if (a.ndim != 2 || b.ndim != 2 || out.ndim != 2) {
+        group_views v;
+        sf_tensor bias;
+        group_operands(args, g, off, &v, &ga);
+        if (v.a.ndim != 2 || v.b.ndim != 2 || v.out.ndim != 2) {
             st = sf_fail(SF_ERR_VALUE, "%s: group %d: a, b and out must be 2-D (got %d, %d and %d "
-                         "dimensions)", OP, g, a.ndim, b.ndim, out.ndim);
+                         "dimensions)", OP, g, v.a.ndim, v.b.ndim, v.out.ndim);
             break;
         }
         int64_t m, n, k;
-        group_dims(args, &a, &b, &m, &n, &k);
-        ga.a = &a;
-        ga.b = &b;
-        ga.out = &out;
+        group_dims(args, &v.a, &v.b, &m, &n, &k);
         ga.bias = NULL;
         if (args->bias_list) {
             bias = args->bias_list[g];
@@ -517,27 +523,20 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
                 ga.workspace = share ? &lane_ws[best] : NULL;
         }
         if (k == 0) { /* the empty sum: dW_g of an expert with no tokens */
-            if (out.ndim != 2 || out.shape[0] != m || out.shape[1] != n)
+            if (v.out.ndim != 2 || v.out.shape[0] != m || v.out.shape[1] != n)
                 st = sf_fail(SF_ERR_VALUE, "%s: group %d: argument 'out' must have shape [%lld, %lld]",
                              OP, g, (long long)m, (long long)n);
             else if (ga.bias && (!args->bgrad || bias.ndim != 1 || bias.shape[0] != m))
                 st = sf_fail(SF_ERR_VALUE, "%s: group %d has an empty inner dimension: only a bias "
                              "gradient (bgrad=1) of length %lld can go with it", OP, g, (long long)m);
             else
-                st = write_empty_product(args, &out, args->bgrad ? &bias : NULL, m, n, on);
+                st = write_empty_product(args, &v.out, args->bgrad ? &bias : NULL, m, n, on);
             continue;
         }
-        group_scale(args->a_scale_inv, args->a_scale_list, args->a_scaling, g, &sa,
-                    &ga.a_scale_inv, &ga.a_scaling);
-        group_scale(args->b_scale_inv, args->b_scale_list, args->b_scaling, g, &sb,
-                    &ga.b_scale_inv, &ga.b_scaling);
         ga.epilogue = !ga.bias ? SF_GEMM_EPI_NONE : args->bgrad ? SF_GEMM_EPI_BGRAD : SF_GEMM_EPI_BIAS;
         st = sf_gemm(&ga, on);
-        if (st != SF_OK) {
-            char why[768];
-            snprintf(why, sizeof why, "%s", sf_last_error());
-            st = sf_fail(st, "%s: group %d (m_splits[%d] = %lld): %s", OP, g, g, (long long)rows, why);
-        }
+        if (st != SF_OK)
+            st = group_failed(st, g, rows);
     }
     if (lanes.n) {
         /* join even after a failed group; the first error is the one reported */
