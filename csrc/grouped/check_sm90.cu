@@ -301,8 +301,8 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
         }
         t_lib[li] = time_ms([&] { CHECK_SF(sf_grouped_gemm(&ga, NULL)); }, 5, 20);
     }
-    printf("bench %-14s %s G=%2d n=%5lld k=%5lld: kernel %.3f ms %.0f TFLOP/s (columns first, 128x128 rows / "
-           "columns first: %.0f %.0f %.0f) | "
+    printf("bench %-14s %s G=%2d n=%5lld k=%5lld: kernel %.3f ms %.0f TFLOP/s (stores from registers, 3 stages "
+           "+ 4 boxes, columns first: %.0f %.0f %.0f) | "
            "cuBLASLt one stream %.3f ms %.0f (%.2fx) | default lanes %.3f ms %.0f (%.2fx)\n",
            name, fp8 ? "e4m3" : "bf16", groups, (long long)n, (long long)k, t_kernel, flops / t_kernel / 1e9,
            flops / t_var[1] / 1e9, flops / t_var[2] / 1e9, flops / t_var[3] / 1e9, t_lib[0],

@@ -79,9 +79,10 @@ int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int dev
 sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream);
 
 #ifdef SF_WORKBENCH
-/* The check's tile shapes (grouped_sm90_cuda.cu): 0 the library's (128 x
- * 256, 4 stages, down the rows first), 1 the same along the columns first,
- * 2 and 3 those orders at 128 x 128 tiles with 6 stages. */
+/* The check's kernel shapes (grouped_sm90_cuda.cu): 0 the library's (128 x
+ * 256 tiles, 4 stages, down the rows first, TMA-stored epilogue through 2
+ * boxes a warpgroup), 1 the same storing from registers, 2 with 3 stages
+ * and 4 boxes (one round), 3 the library's along the columns first. */
 sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *args, int variant, sf_stream stream);
 #endif
 

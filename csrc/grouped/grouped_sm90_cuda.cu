@@ -30,11 +30,22 @@
  *    past k are filled with zeros by TMA, so ragged edges cost no code in the
  *    main loop.  A tile's rows past its group's end belong to the next group
  *    (or are zeros): they are computed and not stored.
- *  - Epilogue: accumulators (times the group's scale for FP8) to bf16,
- *    stored straight from registers, rows and columns masked.
+ *  - Epilogue: accumulators (times the group's scale for FP8) to bf16.  A
+ *    consumer warpgroup whose 64 rows all lie in its tile's group (or run
+ *    past the end of the output, which TMA clips) writes them into its own
+ *    shared-memory buffer in the 128-byte swizzled layout and has TMA store
+ *    them (columns past n clipped by TMA), then goes straight on to its next
+ *    tile's k-blocks while the store drains: the tensor cores wait for a
+ *    shared-memory write of the tile, not for its global stores.  A
+ *    warpgroup whose rows cross into the next group stores straight from
+ *    registers, rows and columns masked (TMA would write the other group's
+ *    rows).  The buffer holds EPI boxes of 64 rows x 64 columns (8 KiB) a
+ *    warpgroup; with fewer boxes than the tile's columns need, the stores go
+ *    out in rounds, each waiting for the previous round's reads.  EPI = 0
+ *    stores every tile from registers (the check times it beside the rest).
  *
- * TMA descriptors: one for A, one per group for B (the experts' weights need
- * not be one buffer), encoded on the host at each call
+ * TMA descriptors: one for A, one for out, one per group for B (the experts'
+ * weights need not be one buffer), encoded on the host at each call
  * (cuTensorMapEncodeTiled, through the runtime's driver entry point, so the
  * library does not link libcuda) and passed in the kernel's parameters.
  */
@@ -59,29 +70,36 @@ constexpr int kThreads = 384;
 constexpr int kABytes = kBM * kRowBytes; /* 16 KiB */
 constexpr int kMaxGroups = SF_GROUPED_SM90_MAX_GROUPS;
 
+constexpr int kBoxBytes = 64 * 128; /* an epilogue box: 64 rows x 64 bf16 columns */
+
 /* A tile shape: BN output columns (256: each consumer m64n256, 128
- * accumulators a thread; 128: m64n128), STAGES k-blocks in flight, and the
+ * accumulators a thread; 128: m64n128), STAGES k-blocks in flight, the
  * order of a group's tiles (MFAST: down the rows first, so the CTAs at work
- * share B's column tile; else along the columns first, sharing A's rows). */
-template <int BN_, int STAGES_, bool MFAST_> struct Cfg {
-    static constexpr int BN = BN_, STAGES = STAGES_, ACC = BN_ / 2;
+ * share B's column tile; else along the columns first, sharing A's rows),
+ * and EPI epilogue boxes a consumer warpgroup (0: stores from registers). */
+template <int BN_, int STAGES_, bool MFAST_, int EPI_> struct Cfg {
+    static constexpr int BN = BN_, STAGES = STAGES_, ACC = BN_ / 2, EPI = EPI_;
     static constexpr bool MFAST = MFAST_;
     static constexpr int B_BYTES = BN * kRowBytes, STAGE_BYTES = kABytes + B_BYTES;
-    static constexpr int SMEM = STAGES * STAGE_BYTES + 1024 /* alignment */ + 1024 /* barriers, tables */;
+    static constexpr int EPI_BYTES = 2 * EPI * kBoxBytes; /* both consumer warpgroups' buffers */
+    static constexpr int SMEM = STAGES * STAGE_BYTES + EPI_BYTES + 1024 /* alignment */ + 1024 /* barriers, tables */;
+    static_assert(EPI == 0 || (BN / 64) % (EPI > 0 ? EPI : 1) == 0, "the epilogue's rounds must cover the tile's columns");
+    static_assert(SMEM <= 227 * 1024, "more shared memory than a Hopper CTA has");
 };
 /* The library's shape; the check times the others.  Measured on an H100
  * (s45, bin/check_grouped_sm90 at a529852, Mixtral-small's experts): down
  * the rows first beat along the columns first in 15 of 16 rows (8 experts'
  * down projection 720 against 647 TFLOP/s bf16, 1,212 against 1,131 e4m3),
  * and 128 x 128 tiles with 6 stages lost to 128 x 256 everywhere. */
-using Library = Cfg<256, 4, true>;
+using Library = Cfg<256, 4, true, 2>;
 
 struct Params {
     CUtensorMap a_map;
+    CUtensorMap out_map; /* boxes of 64 rows x 64 columns (the epilogue's TMA stores) */
     CUtensorMap b_map[kMaxGroups];
     __nv_bfloat16 *out;
     int64_t ldo;
-    int n, kblocks, groups, n_tiles, total_tiles, fp8;
+    int n, kblocks, groups, n_tiles, total_tiles, fp8, rows;
     int row_start[kMaxGroups + 1];
     int tile_start[kMaxGroups + 1];
     const float *a_scale_inv[kMaxGroups];
@@ -122,6 +140,25 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
                  ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
                  : "memory");
 }
+
+/* 2-D TMA store of the 64 x 64 box at dst (128-byte swizzled) to columns
+ * c0.., rows c1.. of the map's tensor (parts past its edges are dropped);
+ * committed by bulk_commit as one of this thread's bulk groups. */
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, int c0, int c1, uint32_t src)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* this thread's committed stores have read their shared memory */
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+/* ... and written global memory */
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+/* this thread's shared-memory writes visible to TMA (the async proxy) */
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+/* the 128 threads of one consumer warpgroup (barrier id = its warpgroup, 1 or 2) */
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(wg) : "memory"); }
 
 /* K-major operand in the 128-byte swizzled layout: row0's 128-byte row,
  * k step kk (32 bytes: 16 bf16 or 32 e4m3); 8-row groups 1024 bytes apart. */
@@ -229,7 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
 #ifdef SF_GROUPED_SM90A
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    uint64_t *full = (uint64_t *)(smem + C::STAGES * C::STAGE_BYTES);
+    uint8_t *epi_buf = smem + C::STAGES * C::STAGE_BYTES; /* 1024-aligned: stages are multiples of 1 KiB */
+    uint64_t *full = (uint64_t *)(epi_buf + C::EPI_BYTES);
     uint64_t *empty = full + C::STAGES;
     int *tile_start = (int *)(empty + C::STAGES);
     int *row_start = tile_start + kMaxGroups + 1;
@@ -307,7 +345,46 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
             if (FP8)
                 scale = __ldg(p.a_scale_inv[tl.g]) * __ldg(p.b_scale_inv[tl.g]);
             const int w = ct / 32, r8 = (ct % 32) / 4, q = ct % 4;
-            const int rbase = tl.m0 + row0 + 16 * w + r8;
+            const int wg_row = tl.m0 + row0; /* this warpgroup's first row */
+            if (wg_row >= tl.row_end)
+                continue; /* (its rows are all the next group's) */
+            if (C::EPI > 0 && (wg_row + 64 <= tl.row_end || tl.row_end == p.rows)) {
+                uint8_t *buf = epi_buf + (wg - 1) * C::EPI * kBoxBytes;
+                constexpr int kRounds = C::EPI > 0 ? C::BN / 64 / C::EPI : 1;
+#pragma unroll
+                for (int r = 0; r < kRounds; ++r) {
+                    if (ct == 0)
+                        bulk_wait_read(); /* the buffer's previous stores have read it */
+                    wg_sync(wg);
+#pragma unroll
+                    for (int bb = 0; bb < C::EPI; ++bb) {
+                        uint8_t *box = buf + bb * kBoxBytes;
+#pragma unroll
+                        for (int jj = 0; jj < 8; ++jj) {
+                            const int j = (r * C::EPI + bb) * 8 + jj;
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int row = 16 * w + r8 + 8 * h; /* row % 8 == r8: the swizzle's key */
+                                *(__nv_bfloat162 *)(box + row * 128 + ((jj ^ r8) << 4) + 4 * q) =
+                                    __floats2bfloat162_rn(d[4 * j + 2 * h] * scale, d[4 * j + 2 * h + 1] * scale);
+                            }
+                        }
+                    }
+                    fence_async_smem();
+                    wg_sync(wg);
+                    if (ct == 0) {
+#pragma unroll
+                        for (int bb = 0; bb < C::EPI; ++bb) {
+                            const int col = tl.n0 + (r * C::EPI + bb) * 64;
+                            if (col < p.n)
+                                tma_store_2d(&p.out_map, col, wg_row, smem_u32(buf + bb * kBoxBytes));
+                        }
+                        bulk_commit();
+                    }
+                }
+                continue;
+            }
+            const int rbase = wg_row + 16 * w + r8;
             const int cbase = tl.n0 + 2 * q;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -324,6 +401,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
                 }
             }
         }
+        if (C::EPI > 0 && ct == 0)
+            bulk_wait(); /* the stores are done before the CTA's shared memory goes */
     }
 #else
     SF_SM90_NOT_BUILT();
@@ -485,8 +564,11 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
     p.total_tiles = p.tile_start[a->groups];
     if (p.total_tiles == 0) /* (no rows: nothing to encode or launch) */
         return SF_OK;
+    p.rows = (int)rows;
     if ((why = encode(&p.a_map, fn, fp8, a->a, rows, a->k, a->lda, kBM)))
         return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (a)", why);
+    if (C::EPI > 0 && (why = encode(&p.out_map, fn, false, a->out, rows, a->n, a->ldo, 64)))
+        return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (out)", why);
     for (int g = 0; g < a->groups; ++g) {
         if (p.row_start[g + 1] > p.row_start[g] &&
             (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], C::BN)))
@@ -528,9 +610,9 @@ extern "C" sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *a, 
 {
     switch (variant) {
     case 0: return run<Library>(a, stream);
-    case 1: return run<Cfg<256, 4, false>>(a, stream);
-    case 2: return run<Cfg<128, 6, true>>(a, stream);
-    case 3: return run<Cfg<128, 6, false>>(a, stream);
+    case 1: return run<Cfg<256, 4, true, 0>>(a, stream);
+    case 2: return run<Cfg<256, 3, true, 4>>(a, stream);
+    case 3: return run<Cfg<256, 4, false, 2>>(a, stream);
     default: return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): no variant %d", variant);
     }
 }
