@@ -198,8 +198,10 @@ def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     assert _C.grouped_gemm(*args, 0) is None  # auto, small groups: the kernel ran (no cuBLASLt plan asked for)
     assert _C.grouped_gemm(*args, 2) is None
     assert gemm_mod.heuristic_queries() == q0
-    big = [4096, 4096]  # 32 x 4 tiles of 128 x 256 a group: one cuBLASLt call a group fills an H100 (132 SMs)
-    xb, wb = _inputs(big, 64, 1024, device="cuda")
+    # bf16, 32 x 16 tiles of 128 x 256 a group: more than two waves of an H100's or H200's 132 SMs each, where
+    # one cuBLASLt call a group is the faster route
+    big = [4096, 4096]
+    xb, wb = _inputs(big, 64, 4096, device="cuda")
     moe.grouped_gemm(xb, wb, big, transb=True, kernel="auto")
     assert gemm_mod.heuristic_queries() > q0  # auto chose cuBLASLt
     # of the kernel's form but not its rules (k = 12 is not a multiple of 8): cuBLASLt, said once

@@ -340,7 +340,8 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     if ((*why = sf_grouped_sm90_device_unfit(args->a->device_id)) != NULL)
         return SF_OK; /* (before any per-group work: a GPU that is not Hopper pays nothing here) */
     if (args->kernel == SF_GROUPED_KERNEL_AUTO &&
-        !sf_grouped_sm90_pays(args->m_splits, args->num_groups, args->out->shape[1], args->a->device_id)) {
+        !sf_grouped_sm90_pays(args->m_splits, args->num_groups, args->out->shape[1], args->a->dtype,
+                              args->a->device_id)) {
         *form = 0; /* (cuBLASLt is the faster route here, not a fallback: nothing to note) */
         return SF_OK;
     }

@@ -59,18 +59,21 @@ const char *sf_grouped_sm90_device_unfit(int device_id);
  * same 16 bytes; every pointer 16-byte aligned; rows below 2^31. */
 const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
 
-/* 1 when the kernel is the faster route for groups of m_splits rows and n
- * output columns on device_id, 0 when one cuBLASLt call per group is: the
- * kernel pays where the average group with rows has at most a quarter of
- * the device's SMs in output tiles of 128 x 256, so one GEMM a group leaves
- * most of the GPU idle (and its host work is paid G times).  Measured on an
- * H100 (s45, Mixtral-small's experts, 32,768 routed rows, the library's
- * rows-first tile order): at 64 experts the down projection (16 tiles a
- * group) ran 594-677 TFLOP/s bf16 on the kernel against 426-544 on cuBLASLt
- * with lanes (e4m3 1,013-1,126 against 616-637); at 8 experts (128 tiles a
- * group) and in every up projection (n = 7,168: 112+ tiles a group)
- * cuBLASLt was faster (bf16 fc1 at 8 experts 790-799 against 500). */
-int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int device_id);
+/* 1 when the kernel is the faster route for groups of m_splits rows, n
+ * output columns and element type dtype on device_id, 0 when one cuBLASLt
+ * call per group is: e4m3 always; bf16 where the average group with rows has
+ * at most two waves of the device's SMs in output tiles of 128 x 256 (so
+ * each group's own GEMM ends in a partial wave, and its host work is paid G
+ * times).  Measured on an H100 (s46, benchmarks/moe/bench_grouped_gemm.py,
+ * Mixtral-small's experts, 32,768 routed rows, random operands, against the
+ * per-expert cuBLASLt route with lanes in the same process): bf16 the kernel
+ * won every down projection (n = 1,024: 8 experts 697-728 against 650-716
+ * TFLOP/s, 16 experts 714-726 against 546-629, 64 experts 574-638 against
+ * 353-407) and the up projection at 64 experts (112 tiles a group: 533-548
+ * against 500-530), and lost it at 8 and 16 experts (448+ tiles a group:
+ * 597-718 against 672-725); e4m3 it won 10 of 12 rows (8 experts 1,157-1,210
+ * against 1,004-1,135). */
+int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id);
 
 /* Launches the kernel on `stream` (args checked by sf_grouped_sm90_unfit
  * first; a failure there is returned as SF_ERR_VALUE with that rule).

@@ -489,8 +489,10 @@ bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 extern "C" const char *sf_grouped_sm90_device_unfit(int device_id) { return device_unfit(device_id); }
 
-extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int device_id)
+extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id)
 {
+    if (dtype == SF_FLOAT8_E4M3)
+        return 1;
     int64_t tiles = 0;
     int busy = 0;
     const int64_t n_tiles = (n + Library::BN - 1) / Library::BN;
@@ -499,7 +501,7 @@ extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t
             tiles += (m_splits[g] + kBM - 1) / kBM * n_tiles;
             ++busy;
         }
-    return busy > 0 && 4 * tiles <= (int64_t)busy * sf_cuda_sm_count(device_id);
+    return busy > 0 && tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id);
 }
 
 extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
