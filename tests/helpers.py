@@ -457,11 +457,11 @@ def dlpack_path(request):
     _C.set_exchange_api(previous)
 
 
-def grouped_and_per_expert_fp8_step(gl, lins, splits, recipe):
-    """One FP8 forward and backward of GroupedLinear ``gl`` and of the
-    per-expert Linears ``lins`` on the same input rows and output gradient
-    (expert g takes rows ``splits``' run g): (y, dx) of each, as
-    ((y, dx), (y_ref, dx_ref))."""
+def grouped_and_per_expert_fp8_step(gl, lins, splits, recipe, first=None):
+    """One FP8 forward and backward of GroupedLinear ``gl`` (its forward's
+    is_first_microbatch ``first``) and of the per-expert Linears ``lins`` on
+    the same input rows and output gradient (expert g takes rows
+    ``splits``' run g): (y, dx) of each, as ((y, dx), (y_ref, dx_ref))."""
     from seqfuse.quantization import fp8_autocast
 
     offs = [0]
@@ -470,7 +470,7 @@ def grouped_and_per_expert_fp8_step(gl, lins, splits, recipe):
     x = torch.randn(offs[-1], gl.in_features, requires_grad=True)
     dy = torch.randn(offs[-1], gl.out_features)
     with fp8_autocast(enabled=True, fp8_recipe=recipe):
-        y = gl(x, splits)
+        y = gl(x, splits, first)
     y.backward(dy)
     xr = x.detach().clone().requires_grad_()
     with fp8_autocast(enabled=True, fp8_recipe=recipe):

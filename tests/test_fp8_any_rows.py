@@ -622,9 +622,14 @@ def _recast_in_place(kind, recipe, transpose_cache):
 
 
 def _weighted_module(kind, device="cpu"):
-    """(module, its call): the FP8 modules whose weights the quantizers cache."""
-    m = (te.GroupedLinear(2, 128, 256, device=device, params_dtype=torch.bfloat16) if kind == "GroupedLinear"
-         else _module(kind, device))
+    """(module, its call): the FP8 modules whose weights the quantizers cache
+    (GroupedLinear with keep_fp8_weights: in training it keeps none by
+    default, test_fp8_grouped_cast's lean tests)."""
+    if kind == "GroupedLinear":
+        m = te.GroupedLinear(2, 128, 256, device=device, params_dtype=torch.bfloat16)
+        m.keep_fp8_weights = True
+    else:
+        m = _module(kind, device)
     return m, _call_of(kind, m)
 
 

@@ -343,15 +343,19 @@ def _count_grouped_casts(monkeypatch, name="cast_fp8_grouped"):
 
 
 @needs_fp8
+@pytest.mark.parametrize("first", [None, True], ids=["lean", "micro_batches"])
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(fp8_format=Format.HYBRID)],
                          ids=["current", "delayed_hybrid"])
-def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, monkeypatch, seed):
+def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, first, monkeypatch, seed):
     """Without biases both operands a GroupedLinear casts (input, output
     gradient) go through the one grouped call once the recipe allows it
     (delayed scaling: from the second step, when every expert's tensors have
-    an amax history), the weights' list cast writes its first buffers again
-    at every later step, and the results stay the per-expert FP8 Linear's
-    bit for bit on the CPU, over three steps with weight updates."""
+    an amax history), and the results stay the per-expert FP8 Linear's bit
+    for bit on the CPU, over three steps with weight updates.  The weights:
+    one list cast a step; under is_first_microbatch=True it writes its first
+    buffers again at every later step (the module keeps them); in training
+    without it (None) into new buffers, the module keeping no cast once the
+    forward returned (lean_weights)."""
     calls = _count_grouped_casts(monkeypatch)
     new_weight_lists = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
     weight_calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list_into")  # (new buffers or in place)
@@ -361,14 +365,19 @@ def test_grouped_linear_one_cast_per_operand_equals_per_expert_linear(recipe, mo
     for step in range(3):
         before = len(calls)
         casts_before = weight_casts(gl)
-        (y, dx), (y_ref, dx_ref) = grouped_and_per_expert_fp8_step(gl, lins, splits, recipe)
+        (y, dx), (y_ref, dx_ref) = grouped_and_per_expert_fp8_step(gl, lins, splits, recipe, first)
         grouped_now = len(calls) - before
         first_delayed = isinstance(recipe, DelayedScaling) and step == 0
         assert grouped_now == (0 if first_delayed else 2), (step, grouped_now)
-        # every expert's weight changed (all are updated below, the idle one too): one list cast, into
-        # new buffers at the first step only (then into those: nothing holds them after each backward)
+        # every expert's weight changed (all are updated below, the idle one too): one list cast a step
         assert len(weight_calls) == step + 1 and weight_casts(gl) - casts_before == G, step
-        assert len(new_weight_lists) == 1, step
+        q = gl._quantizers(recipe, torch.device("cpu"))
+        if first is None:  # new buffers every step, nothing kept by the module
+            assert len(new_weight_lists) == step + 1, step
+            assert q.weight_list is None and all(r.pair is None for r in q.weights), step
+        else:  # new buffers at the first step only (then into those: nothing holds them after each backward)
+            assert len(new_weight_lists) == 1, step
+            assert q.weight_list is not None and all(r.pair is not None for r in q.weights), step
         assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref), step
         for g in range(G):
             w = getattr(gl, f"weight{g}")
@@ -566,24 +575,52 @@ def test_grouped_linear_fp8_non_contiguous_input(seed):
 @needs_fp8
 def test_prefetch_fp8_weights_is_the_forwards_cast(monkeypatch, seed):
     """prefetch_fp8_weights casts the experts' weights the forward would cast
-    (one list call); the forward then reuses them; outside FP8 autocast it
-    does nothing."""
+    (one list call); the forward then reuses them (in training, then lets
+    them go); outside FP8 autocast it does nothing.  Without gradients the
+    casts are kept per weight version: a moved weight alone is cast again."""
     gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
     calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
     gl.prefetch_fp8_weights()
     assert weight_casts(gl) == 0 and not calls
     x = torch.randn(40, 32)
-    with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+    recipe = DelayedScaling()
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
         gl.prefetch_fp8_weights()
         assert weight_casts(gl) == 3 and len(calls) == 1
         y = gl(x, [20, 0, 20])
         assert weight_casts(gl) == 3 and len(calls) == 1  # reused
-    with torch.no_grad():
+    q = gl._quantizers(recipe, x.device)
+    assert q.weight_list is None and all(r.pair is None for r in q.weights)  # training: none kept
+    with torch.no_grad(), fp8_autocast(enabled=True, fp8_recipe=recipe):
+        assert torch.equal(gl(x, [20, 0, 20]), y)
+        assert weight_casts(gl) == 6 and len(calls) == 2
         gl.weight0.mul_(1.5)
-    with fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
         y2 = gl(x, [20, 0, 20])  # one weight moved: the forward re-casts it (expert by expert)
-    assert weight_casts(gl) == 4 and len(calls) == 1
+    assert weight_casts(gl) == 7 and len(calls) == 2
     assert not torch.equal(y, y2)
+
+
+def test_frozen_experts_keep_their_fp8_weights_in_training(monkeypatch, seed):
+    """A GroupedLinear whose weights do not learn keeps their casts through
+    training forwards (the input's gradient still flows): the weights cannot
+    change between forwards, so lean_weights does not apply; nor where
+    keep_fp8_weights is set."""
+    calls = _count_grouped_casts(monkeypatch, "cast_fp8_current_list")
+    for frozen in (True, False):
+        gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+        gl.keep_fp8_weights = not frozen
+        for w in gl.weights():
+            w.requires_grad_(not frozen)
+        before = len(calls)
+        for _ in range(2):
+            x = torch.randn(40, 32, requires_grad=True)
+            with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+                y = gl(x, [20, 0, 20])
+            y.sum().backward()
+            assert x.grad is not None
+        q = gl._quantizers(Float8CurrentScaling(), x.device)
+        assert len(calls) - before == 1 and weight_casts(gl) == 3, frozen
+        assert all(r.pair is not None for r in q.weights), frozen
 
 
 def test_counts_to_host_cpu():

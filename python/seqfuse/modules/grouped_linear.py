@@ -68,7 +68,11 @@ forward and input-gradient results are computed over padded row blocks
 and gathered back to the real rows (one copy of the output, where some
 expert's count is not a multiple of 16; GroupedMLP under FP8 hands over
 row blocks already padded, and nothing is gathered).  The weight gradient takes the experts'
-transposed (column-wise) copies.  MXFP8 / NVFP4 raise NotImplementedError
+transposed (column-wise) copies.  In training without is_first_microbatch
+the experts' weights are cast at every forward and the forward's copy is
+freed when the forward returns: only the backward's transposed copy lives
+through the activation peak (quantization.grouped.lean_weights; True /
+False keep both across micro-batches).  MXFP8 / NVFP4 raise NotImplementedError
 (their GEMMs need compute capability 10.x).
 
 Weight-gradient accumulation: where every weight carries a float32
@@ -88,7 +92,8 @@ from ..ops import quant as quant_ops
 from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
 from ..quantization import stats
-from ..quantization.grouped import GroupedFloat8, note_grouped, quantize_grouped, stacked_weights_fp8, weight_pairs
+from ..quantization.grouped import (GroupedFloat8, lean_weights, note_grouped, quantize_grouped,
+                                     release_weight_pairs, stacked_weights_fp8, weight_pairs)
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, init_weight, mark_main_grad, set_linear_options, wgrad_overwrite
 from ._input import check_input, gemm_rows
@@ -391,11 +396,22 @@ class GroupedLinear(torch.nn.Module):
     deferred-wgrad and single-grouped-parameter arguments raise
     NotImplementedError unless off.
 
+    ``keep_fp8_weights`` (an attribute, default False; host row counts):
+    under FP8 in training without is_first_microbatch, False keeps none of
+    the experts' weight casts past the forward (the backward keeps the
+    transposed copy it reads), so no layer holds its FP8 weights through the
+    activation peak; True keeps them per weight version as inference does
+    (re-cast, into the same buffers where nothing else holds them, only
+    when a weight changed), trading that memory for the forward's cast
+    where the weights do not change between forwards.
+
     forward(inp [sum(m_splits), in_features] (or [..., in_features] whose
     rows add up), m_splits: G ints (host values; a CPU tensor is read) or
     a CUDA integer tensor (the device-split route, see the module note),
     is_first_microbatch, swiglu_probs: see forward).
     """
+
+    keep_fp8_weights = False
 
     def __init__(self, num_gemms, in_features, out_features, *, bias=True, params_dtype=None, device=None,
                  init_method=None, return_bias=False, fuse_wgrad_accumulation=False, get_rng_state_tracker=None,
@@ -578,8 +594,12 @@ class GroupedLinear(torch.nn.Module):
                 _refusal=_UNASKED):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
-        call's, None re-quantizes a weight only when it changed.  On the
-        device-split FP8 route (a CUDA m_splits) None with gradients enabled
+        call's, None re-quantizes a weight only when it changed; with
+        gradients enabled (training) None casts at every call and keeps no
+        cast past it: the forward operand is freed when the forward returns,
+        the transposed copy lives in the backward's saved tensors until its
+        product (quantization.grouped.lean_weights).  On the device-split
+        FP8 route (a CUDA m_splits) None with gradients enabled
         keeps no FP8 weight copy at all: the forward casts the copy it reads
         and the backward the transposed one, each freed after its product
         (a cast per call, for the memory); True / False keep both copies
@@ -668,8 +688,10 @@ class GroupedLinear(torch.nn.Module):
         overwrite = wgrad_overwrite(self, weights[0], is_first_microbatch)  # (TE reads the first weight's attribute)
         if recipe is not None:
             q = self._quantizers(recipe, x.device)
+            lean = not self.keep_fp8_weights and lean_weights(weights, is_first_microbatch)
             y = Fp8GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias,
-                                               (q, is_first_microbatch, probs is not None, overwrite), *params)
+                                               (q, is_first_microbatch, probs is not None, overwrite, lean),
+                                               *params)
         else:
             y = GroupedLinearFunction.apply(x, probs, splits, dtype, self.num_gemms, use_bias, None, overwrite,
                                             *params)
@@ -960,7 +982,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, probs, m_splits, dtype, G, use_bias, qargs, *params):
-        q, first, swiglu, overwrite = qargs
+        q, first, swiglu, overwrite, lean = qargs
         kind = q.kind
         weights, biases = params[:G], params[G:] if use_bias else None
         need_w = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
@@ -1006,6 +1028,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                    m_splits, padded)
         w_dg = [F8.weight_dgrad(p, kind) for p in pairs]
         saved = [t for op in w_dg for t in F8.weight_saved(op)]
+        if lean:  # the forward operand's bytes go with this call's references to them
+            release_weight_pairs(q)
         if keep_t and gx is not None:  # the transposed copy [K, Mp] and the scale inverses
             saved += [gx.data_t, gx.scale_inv]
         elif keep_t:

@@ -56,6 +56,7 @@ import logging
 import torch
 
 from ..common.notes import note_once
+from ..ops import device_checks
 from ..ops import moe as moe_ops
 from . import recompute, stats
 from .gemm_quantizers import storage_holders, written_in_place
@@ -225,6 +226,29 @@ def weight_pairs(q, weights, is_first_microbatch=None):
         q.weight_list = _ListCast(q.kind, ws[0], fp8_dtype, data, data_t, si, scale,
                                   amax_out if amax is None else None, tuple(pairs))
     return pairs
+
+
+def lean_weights(weights, is_first_microbatch):
+    """Whether a grouped layer's forward keeps none of its experts' FP8
+    weight casts past its own product: training without
+    is_first_microbatch (None, gradients enabled, some weight learning, so
+    the weights change before the next forward), not under CUDA graph
+    capture or an activation checkpoint's recompute.  The forward operand's
+    bytes are then freed when the forward returns (release_weight_pairs),
+    and only what the backward saved (the input-gradient operand) lives on
+    to the backward, so no layer holds both copies through the activation
+    peak; the next forward casts into new buffers (TE's contract for None:
+    a cast per call; True / False keep both across micro-batches)."""
+    return (is_first_microbatch is None and torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+            and not recompute.open_contexts and not device_checks.capturing(weights[0]))
+
+
+def release_weight_pairs(q):
+    """Drop ``q``'s cached weight casts (each expert's pair and the last list
+    cast's record): the next forward casts again (lean_weights)."""
+    for role in q.weights:
+        role.key = role.param = role.pair = None
+    q.weight_list = None
 
 
 class _ListCast:
