@@ -472,9 +472,9 @@ def test_grouped_linear_cuda_grouped_cast_equals_per_expert_casts(recipe, monkey
     # module a's input and gradient casts: one grouped call each a step (delayed scaling: from the
     # second step, when every expert's tensors have an amax history)
     assert len(calls) == (4 if isinstance(recipe, DelayedScaling) else 6)
-    # module a's weights: one list cast a step, new buffers only the first (nothing holds them once the
-    # step's backward is done, so later casts write them in place)
-    assert len(weight_calls) == 3 and len(new_weight_lists) == 1
+    # module a's weights: one list cast a step, into new buffers each time (training without
+    # is_first_microbatch keeps none past the forward: lean_weights)
+    assert len(weight_calls) == 3 and len(new_weight_lists) == 3
 
 
 def _unpadded_grouped_mlp(m, x):
