@@ -254,7 +254,7 @@ def main():
         "goal_bf16_vs_torch": 1.0, "goal_fp8_vs_bf16": 1.6,
         "kernels": "cublaslt: one cuBLASLt call per non-empty expert from host m_splits, on `lanes` CUDA "
                    "streams (lanes=0: the C entry's own choice); sm90: seqfuse's persistent Hopper kernel, every "
-                   "expert in one launch; auto: sm90 where the call fits it (fp8 block scales do not) and its groups are small (at most a quarter of the SMs in 128 x 256 tiles on average), else cublaslt",
+                   "expert in one launch; auto: sm90 where the call fits it (fp8 block scales do not) and it pays (sf_grouped_sm90_pays: e4m3, or bf16 groups of at most two waves of the SMs in 128 x 256 tiles on average), else cublaslt",
         "peers_missing": sorted(notes),
         "command": "python3 benchmarks/moe/bench_grouped_gemm.py " + " ".join(sys.argv[1:]),
     })

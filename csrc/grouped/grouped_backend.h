@@ -34,7 +34,7 @@ typedef struct {
 /* Takes device_id's lanes for one call of `groups` non-empty groups of
  * `tiles` output tiles on average: n of them (2 <= n <=
  * SF_GROUPED_MAX_LANES), or with n = 0 as many as the device's SMs hold
- * such groups side by side, at most SF_GROUPED_AUTO_LANES, and 2 when
+ * such groups side by side, at most SF_GROUPED_AUTO_LANES, and none when
  * fewer than two fit; never more than `groups` (none, lanes->n = 0, when
  * that leaves fewer than 2, or when `stream` finds no lane set of its own
  * left: grouped_cuda.cu's note).  Each stream taken waits for the work already on `stream`; they stay the
@@ -48,7 +48,8 @@ sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int n, int64_t 
  * projection at 1.73x one stream's rate, 8 at 1.67x, 2 at 1.35x; groups of
  * 128 tiles or more (8 or 16 experts) lost up to 2.9x on lanes sized for a
  * share of the SMs, and moved -5 to +10 % on 2 lanes of whole-GPU
- * algorithms, mostly up. */
+ * algorithms, mostly up, which Mixtral-small's training step did not
+ * repay (grouped_cuda.cu: none for such groups). */
 #define SF_GROUPED_AUTO_LANES 4
 
 /* `stream` waits for everything issued on the lanes; releases them.  A

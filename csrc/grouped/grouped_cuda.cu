@@ -17,7 +17,13 @@
  *    algorithms and the lanes only overlap one GEMM's tail with the next
  *    one's start.  Asked for no number (lanes = 0), a call takes as many
  *    lanes as the SMs hold its groups side by side, at most
- *    SF_GROUPED_AUTO_LANES, and 2 when fewer than two fit.
+ *    SF_GROUPED_AUTO_LANES, and none (the caller's stream alone) when fewer
+ *    than two fit: there the overlap of tails measured -5 to +10 % on
+ *    isolated grouped GEMMs (s44), while Mixtral-small's FP8 training step,
+ *    whose MoE blocks wait on the host for the routing counts, ran 3-11 %
+ *    slower with it than on one stream (s46: 217k against 231k and 220k /
+ *    237k against 244k tokens/s on an H100): the lanes' events and stream
+ *    switches are host work the GPU waits for after each such wait.
  *
  *    A call forks from the caller's stream with one event (each lane waits
  *    on it) and joins with one event per lane (the caller's stream waits on
@@ -170,8 +176,8 @@ extern "C" sf_status sf_grouped_lanes_open(int device_id, sf_stream stream, int 
         return sf_fail(SF_ERR_RUNTIME, "grouped_gemm: CUDA error %s: %s (asking device %d's SM count)",
                        cudaGetErrorName(e), cudaGetErrorString(e), device_id);
     const int64_t fit = sms / (tiles > 0 ? tiles : 1); /* groups the SMs hold side by side */
-    if (n == 0)
-        n = fit < 2 ? 2 : fit < SF_GROUPED_AUTO_LANES ? (int)fit : SF_GROUPED_AUTO_LANES;
+    if (n == 0) /* (fewer than two fit: none; s46 timed Mixtral-small training FP8 3-11 % faster so) */
+        n = fit < SF_GROUPED_AUTO_LANES ? (int)fit : SF_GROUPED_AUTO_LANES;
     n = n < groups ? n : groups;
     if (n < 2)
         return SF_OK;

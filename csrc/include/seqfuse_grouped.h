@@ -39,8 +39,8 @@
  * call per group with its cached plan, on `stream`, or with lanes >= 2 on
  * that many side streams forked from and joined back into `stream` (lanes
  * = 0: as many as the SMs hold the average group's 128 x 128 output tiles
- * side by side, at most SF_GROUPED_AUTO_LANES = 4, and 2 when fewer than
- * two fit), each group given to the lane with the least work so far, a
+ * side by side, at most SF_GROUPED_AUTO_LANES = 4, and none when fewer
+ * than two fit), each group given to the lane with the least work so far, a
  * 1/lanes share of the workspace (a multiple of 256 bytes) and, when the
  * lanes' groups fit side by side, GEMM algorithms chosen for 1/lanes of the
  * SMs; `stream` sees the call as one ordered step either way).  Listed

@@ -288,8 +288,9 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         algorithms chosen for 1/lanes of the SMs).  Many small experts
         leave most of the GPU idle one at a time.  None: as many lanes as
         the SMs hold the average group's 128 x 128 output tiles side by
-        side, at most 4, and 2 when fewer than two fit (Mixtral-small on an
-        H100: 4 for 64 experts' down projection, 2 otherwise).  The current
+        side, at most 4, and one stream when fewer than two fit
+        (Mixtral-small on an H100: 4 for 64 experts' down projection, one
+        stream at 8 experts, where lanes cost its training step 3-11 %).  The current
         stream sees the call as one ordered step either way (CUDA graphs
         capture it); listed outputs that share memory run on it alone, as
         do the calls of a ninth and later stream to use lanes on a device
