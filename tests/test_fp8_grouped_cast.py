@@ -600,6 +600,7 @@ def test_prefetch_fp8_weights_is_the_forwards_cast(monkeypatch, seed):
     assert not torch.equal(y, y2)
 
 
+@needs_fp8
 def test_frozen_experts_keep_their_fp8_weights_in_training(monkeypatch, seed):
     """A GroupedLinear whose weights do not learn keeps their casts through
     training forwards (the input's gradient still flows): the weights cannot

@@ -180,6 +180,35 @@ def test_cuda_sm90_refuses_a_bad_group_as_cublaslt_does():
 
 @pytest.mark.cuda
 @needs_hopper
+@needs_fp8
+def test_cuda_auto_fp8_takes_sm90_and_says_nothing_of_an_empty_call(caplog, monkeypatch, seed):
+    """e4m3 calls of the kernel's form take it under auto, whatever their
+    groups' sizes (no cuBLASLt plan asked for); a call with no rows at all
+    (an idle expert-parallel rank) has nothing to run and logs nothing."""
+    import importlib
+
+    from seqfuse.common import notes
+
+    monkeypatch.setattr(notes, "_noted", set())
+    gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module (seqfuse.ops.gemm is the op)
+    splits = [4096, 0, 4096]  # 32 x 16 tiles of 128 x 256 a group: more than two waves, bf16 would take cuBLASLt
+    k, n = 64, 4096
+    xq = torch.randn(sum(splits), k, device="cuda").to(torch.float8_e4m3fn)
+    wq = torch.randn(len(splits), n, k, device="cuda").to(torch.float8_e4m3fn)
+    s = torch.ones(len(splits), device="cuda")
+    q0 = gemm_mod.heuristic_queries()
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        y = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=s, b_scale_inv=s, fast_accum=True)
+        empty = moe.grouped_gemm(xq[:0], wq, [0, 0, 0], transb=True, a_scale_inv=s, b_scale_inv=s, fast_accum=True)
+    assert gemm_mod.heuristic_queries() == q0 and y.shape == (8192, n) and empty.shape == (0, n)
+    ref = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=s, b_scale_inv=s, fast_accum=True,
+                           kernel="cublaslt")
+    assert rel_error(y, ref) <= pair_tol(torch.bfloat16)
+    assert not [r for r in caplog.records if "not the sm90 kernel" in r.getMessage()]
+
+
+@pytest.mark.cuda
+@needs_hopper
 def test_cuda_auto_takes_sm90_and_logs_why_not_once(caplog, monkeypatch):
     from seqfuse import _C
     from seqfuse.common import notes

@@ -61,7 +61,7 @@ const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
 
 /* 1 when the kernel is the faster route for groups of m_splits rows, n
  * output columns and element type dtype on device_id, 0 when one cuBLASLt
- * call per group is: e4m3 always; bf16 where the average group with rows has
+ * call per group is (or no group has rows): e4m3 always; bf16 where the average group with rows has
  * at most two waves of the device's SMs in output tiles of 128 x 256 (so
  * each group's own GEMM ends in a partial wave, and its host work is paid G
  * times).  Measured on an H100 (s46, benchmarks/moe/bench_grouped_gemm.py,
@@ -72,7 +72,8 @@ const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
  * 353-407) and the up projection at 64 experts (112 tiles a group: 533-548
  * against 500-530), and lost it at 8 and 16 experts (448+ tiles a group:
  * 597-718 against 672-725); e4m3 it won 10 of 12 rows (8 experts 1,157-1,210
- * against 1,004-1,135). */
+ * against 1,004-1,135; it lost 16 experts' balanced up projection, 993-1,031
+ * against 1,120-1,201, in two runs). */
 int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id);
 
 /* Launches the kernel on `stream` (args checked by sf_grouped_sm90_unfit

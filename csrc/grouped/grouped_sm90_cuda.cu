@@ -86,11 +86,16 @@ template <int BN_, int STAGES_, bool MFAST_, int EPI_> struct Cfg {
     static_assert(EPI == 0 || (BN / 64) % (EPI > 0 ? EPI : 1) == 0, "the epilogue's rounds must cover the tile's columns");
     static_assert(SMEM <= 227 * 1024, "more shared memory than a Hopper CTA has");
 };
-/* The library's shape; the check times the others.  Measured on an H100
- * (s45, bin/check_grouped_sm90 at a529852, Mixtral-small's experts): down
- * the rows first beat along the columns first in 15 of 16 rows (8 experts'
- * down projection 720 against 647 TFLOP/s bf16, 1,212 against 1,131 e4m3),
- * and 128 x 128 tiles with 6 stages lost to 128 x 256 everywhere. */
+/* The library's shape; the check times three others beside it.  Measured
+ * on an H100 (s46, bin/check_grouped_sm90 at ff083f8 and f18693a,
+ * Mixtral-small's experts, 32,768 routed rows): the TMA-stored epilogue ran
+ * 8 experts' up projection at 789-800 TFLOP/s bf16 against 498-503 storing
+ * from registers, the down projection 854-880 against 702-724; 3 stages
+ * with one round of 4 boxes ran 772-787 / 688-703 (a stage fewer costs more
+ * than a second store round); along the columns first the down projection
+ * ran within 2 % either way (867-881 bf16) and the up projection 15 % lower
+ * (673-676).  s45: rows first beat columns first in 15 of 16 rows with the
+ * register epilogue, and 128 x 128 tiles with 6 stages lost everywhere. */
 using Library = Cfg<256, 4, true, 2>;
 
 struct Params {
@@ -491,8 +496,6 @@ extern "C" const char *sf_grouped_sm90_device_unfit(int device_id) { return devi
 
 extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id)
 {
-    if (dtype == SF_FLOAT8_E4M3)
-        return 1;
     int64_t tiles = 0;
     int busy = 0;
     const int64_t n_tiles = (n + Library::BN - 1) / Library::BN;
@@ -501,7 +504,8 @@ extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t
             tiles += (m_splits[g] + kBM - 1) / kBM * n_tiles;
             ++busy;
         }
-    return busy > 0 && tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id);
+    /* (no rows at all: nothing to run, so nothing to choose or note) */
+    return busy > 0 && (dtype == SF_FLOAT8_E4M3 || tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id));
 }
 
 extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)

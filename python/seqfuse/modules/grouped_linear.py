@@ -72,7 +72,9 @@ transposed (column-wise) copies.  In training without is_first_microbatch
 the experts' weights are cast at every forward and the forward's copy is
 freed when the forward returns: only the backward's transposed copy lives
 through the activation peak (quantization.grouped.lean_weights; True /
-False keep both across micro-batches).  MXFP8 / NVFP4 raise NotImplementedError
+False keep both across micro-batches, and frozen experts,
+keep_fp8_weights, graph capture and activation checkpoints keep them per
+weight version).  MXFP8 / NVFP4 raise NotImplementedError
 (their GEMMs need compute capability 10.x).
 
 Weight-gradient accumulation: where every weight carries a float32
@@ -598,7 +600,10 @@ class GroupedLinear(torch.nn.Module):
         gradients enabled (training) None casts at every call and keeps no
         cast past it: the forward operand is freed when the forward returns,
         the transposed copy lives in the backward's saved tensors until its
-        product (quantization.grouped.lean_weights).  On the device-split
+        product (quantization.grouped.lean_weights; not where no weight
+        requires a gradient, under keep_fp8_weights, CUDA graph capture or
+        inside an activation checkpoint, which keep them per weight version).
+        On the device-split
         FP8 route (a CUDA m_splits) None with gradients enabled
         keeps no FP8 weight copy at all: the forward casts the copy it reads
         and the backward the transposed one, each freed after its product
@@ -964,7 +969,9 @@ _FP8_ARGS = 7
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T + b_g with FP8 grouped GEMMs (see the module
     note).  forward(x, probs, m_splits, dtype, num_gemms, use_bias,
-    (quantizers, is_first_microbatch, swiglu), *weights, *biases).  The input
+    (quantizers, is_first_microbatch, swiglu, overwrite, lean), *weights,
+    *biases); ``lean`` (lean_weights): the experts' weight casts are let go
+    once the forward's product is issued.  The input
     and output gradient are cast for all experts in one call where
     quantization.grouped allows (a GroupedFloat8: its row-wise copy split
     by the padded counts, its transposed blocks as _Columns), else per

@@ -201,8 +201,10 @@ class GroupedMLP(RoutedExperts):
         is_first_microbatch (Transformer Engine's gradient-accumulation
         argument) goes to both GroupedLinears: under FP8, True casts the
         experts' weights and keeps them for the next micro-batches, False
-        reuses them, None casts a weight when it changed (on the
-        device-split route: at every call, keeping nothing)."""
+        reuses them, None in training casts them at every call and keeps
+        none past it (GroupedLinear.forward: frozen experts, keep_fp8_weights
+        and checkpoints excepted), and without gradients casts a weight when
+        it changed."""
         check_input("GroupedMLP", hidden_states, self.hidden_size, "hidden_size")
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, self.hidden_size)

@@ -166,8 +166,8 @@ class ExpertParallelGroupedMLP(RoutedExperts):
         """The block's output for this rank's ``hidden_states`` [..., hidden_size];
         is_first_microbatch (Transformer Engine's gradient-accumulation
         argument) goes to both local GroupedLinears: under FP8, True casts the
-        local experts' weights and keeps them, False reuses them, None casts a
-        weight when it changed."""
+        local experts' weights and keeps them, False reuses them, None as
+        GroupedMLP.forward (in training a cast per call, none kept)."""
         check_input("ExpertParallelGroupedMLP", hidden_states, self.hidden_size, "hidden_size")
         self._refuse_delayed_scaling()
         lead = hidden_states.shape[:-1]

@@ -20,7 +20,11 @@ weight, as WeightQuantizer's own cast; under delayed scaling the amaxes land
 in the state's weight slots), handing each quantizer its expert's result.
 The next such call writes that call's buffers in place where nothing else
 holds them (as WeightQuantizer's own re-cast: a pending backward keeps
-aliases of the scale inverses, which the storage count sees).
+aliases of the scale inverses, which the storage count sees).  In training
+without is_first_microbatch a GroupedLinear keeps none of them past its
+forward (``lean_weights`` / ``release_weight_pairs``): the forward's copy
+is freed when the forward returns, the backward keeps the transposed copy
+it reads, and the next forward casts into new buffers.
 
 GroupedMLP's down projection takes the SwiGLU's output as its input:
 ``quantize_grouped(..., swiglu=True, probs=...)`` computes that output in
@@ -62,8 +66,8 @@ from . import recompute, stats
 from .gemm_quantizers import storage_holders, written_in_place
 from .tensor import Float8Tensor
 
-__all__ = ["GroupedFloat8", "StackedFloat8", "note_grouped", "quantize_grouped", "stacked_weights_fp8",
-           "weight_pairs"]
+__all__ = ["GroupedFloat8", "StackedFloat8", "lean_weights", "note_grouped", "quantize_grouped",
+           "release_weight_pairs", "stacked_weights_fp8", "weight_pairs"]
 
 _log = logging.getLogger("seqfuse")
 
@@ -231,9 +235,12 @@ def weight_pairs(q, weights, is_first_microbatch=None):
 def lean_weights(weights, is_first_microbatch):
     """Whether a grouped layer's forward keeps none of its experts' FP8
     weight casts past its own product: training without
-    is_first_microbatch (None, gradients enabled, some weight learning, so
-    the weights change before the next forward), not under CUDA graph
-    capture or an activation checkpoint's recompute.  The forward operand's
+    is_first_microbatch (None, gradients enabled, some weight learning:
+    an optimizer step usually changes them before the next forward;
+    gradient accumulation without the argument casts each micro-batch
+    again, as TE does), not under CUDA graph capture, nor inside an
+    activation checkpoint (its forward and recompute share one cast: any
+    open recompute.open_contexts, recording or replaying).  The forward operand's
     bytes are then freed when the forward returns (release_weight_pairs),
     and only what the backward saved (the input-gradient operand) lives on
     to the backward, so no layer holds both copies through the activation
