@@ -1,7 +1,8 @@
 /*
  * module.c - the seqfuse._C extension module: joins the method tables of the
  * binding files (one per kernel family) and holds the core bindings: build
- * and device information, the exchange-API switch, and the overhead probe.
+ * and device information, the exchange-API switch, the overhead probe, and
+ * the status codes and limits Python reads (GROUPED_MAX_LANES).
  *
  * Only this folder includes Python.h.  Each op binding is declared once in
  * its family file (an argument table and a thunk, see py_call.h); the one
@@ -161,7 +162,8 @@ PyMODINIT_FUNC PyInit__C(void)
     if (PyModule_AddIntConstant(m, "STATUS_TYPE", SF_ERR_TYPE) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_VALUE", SF_ERR_VALUE) < 0 ||
         PyModule_AddIntConstant(m, "STATUS_NOT_IMPLEMENTED", SF_ERR_NOT_IMPLEMENTED) < 0 ||
-        PyModule_AddIntConstant(m, "STATUS_RUNTIME", SF_ERR_RUNTIME) < 0) {
+        PyModule_AddIntConstant(m, "STATUS_RUNTIME", SF_ERR_RUNTIME) < 0 ||
+        PyModule_AddIntConstant(m, "GROUPED_MAX_LANES", SF_GROUPED_MAX_LANES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

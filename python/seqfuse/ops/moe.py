@@ -195,7 +195,7 @@ def _aligned_scalars(values):
     return buf[:, 0]
 
 
-MAX_LANES = 8  # SF_GROUPED_MAX_LANES
+MAX_LANES = _C.GROUPED_MAX_LANES  # (SF_GROUPED_MAX_LANES)
 
 
 def _lanes(op, lanes):
