@@ -80,8 +80,10 @@ DIR/<row>_syncs.txt (a profiled run is for finding where a step waits:
 take headline figures from a run without ``--profile``, whose profiler
 may still be attached when the next row is timed).  Timing: ``--warm-passes``
 (default 2: s17 saw an FP8 row 14-23 % faster after more untimed steps)
-untimed passes over the very batches, then one timed pass, the
-GPU synchronized before and after only.  Reported: unpadded tokens/s, vs_hf (against
+untimed passes over the very batches, then ``--timed-passes`` (default 5)
+timed passes, each with the GPU synchronized before and after it only; a
+row's rate is the median pass's, every pass's kept in the JSON
+(pass_tokens_per_s).  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16), vs_best_hf (against the fastest transformers row timed before it:
 put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
@@ -100,6 +102,7 @@ import argparse
 import contextlib
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -243,7 +246,11 @@ def add_ratios(done):
             r["best_hf_row"] = best
 
 
-def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2, warm_passes=1):
+def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2, warm_passes=1,
+            timed_passes=1):
+    """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, peak GiB)
+    of row ``name``: ``warm_passes`` untimed passes over ``batches``, then ``timed_passes`` timed ones, the
+    training going on through all of them."""
     model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
 
@@ -261,11 +268,14 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     first = float(step(batches[0]))  # same weights, same batch in every row
     for b in batches[1:] + batches * (warm_passes - 1):  # the rest of the untimed warm passes
         step(b)
-    sync()
-    t0 = time.perf_counter()
-    losses = [step(b) for b in batches]
-    sync()
-    seconds = time.perf_counter() - t0
+    passes = []
+    for _ in range(timed_passes):
+        sync()
+        t0 = time.perf_counter()
+        losses = [step(b) for b in batches]
+        sync()
+        passes.append(time.perf_counter() - t0)
+    seconds = statistics.median(passes)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     final = float(losses[-1])
     if profile:
@@ -277,7 +287,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
             f"step: {syncs}")
     del model, opt
     release(device)
-    return seconds, first, final, peak
+    return seconds, passes, first, final, peak
 
 
 def release(device):
@@ -309,12 +319,18 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after each row's timed pass, profile --profile-steps more steps into DIR/<row>_profile.txt")
     ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--timed-passes", type=int, default=5,
+                    help="timed passes over the batches, each timed alone; a row's rate is the median pass's, and "
+                         "the JSON keeps every pass's (s46's host-bound FP8 rows moved 10-20 %% between runs of "
+                         "one pass each)")
     ap.add_argument("--warm-passes", type=int, default=2,
                     help="untimed passes over the batches before the timed one (the routing, so the grouped GEMMs' "
                          "row counts and the GEMM plans they need, changes as the model trains)")
     args = ap.parse_args(argv)
     if args.warm_passes < 1:
         raise SystemExit(f"--warm-passes must be >= 1, got {args.warm_passes}")
+    if args.timed_passes < 1:
+        raise SystemExit(f"--timed-passes must be >= 1, got {args.timed_passes}")
     rows = args.rows.split(",")
     bad = [r for r in rows if r not in ROWS]
     if bad:
@@ -342,8 +358,9 @@ def main(argv=None):
     for name in rows:
         start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
         try:
-            seconds, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
-                                                  args.profile, args.profile_steps, args.warm_passes)
+            seconds, passes, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
+                                                          args.profile, args.profile_steps, args.warm_passes,
+                                                          args.timed_passes)
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -351,7 +368,8 @@ def main(argv=None):
             continue
         done[name] = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
-                          first_loss=first, final_loss=final)
+                          first_loss=first, final_loss=final,
+                          pass_tokens_per_s=[round(real / s) for s in passes])
         log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before)")
     add_ratios(done)
     for r in done.values():
@@ -368,8 +386,9 @@ def main(argv=None):
                                                          "num_local_experts", "num_experts_per_tok", "vocab_size")},
                 "flops": "mixtral_recipe.trainer.train_flops: 3 x forward FLOPs of the active weights (router, "
                          "top-k experts) + causal attention; MFU against 794 TFLOP/s (measured H200 bf16)",
-                "timing": f"{args.warm_passes} untimed pass(es) over the very batches, then one timed pass; GPU "
-                          "synchronized before and after the timed pass only"})
+                "timing": f"{args.warm_passes} untimed pass(es) over the very batches, then {args.timed_passes} timed "
+                          "pass(es), each with the GPU synchronized before and after it only; a row's rate is the "
+                          "median pass's (pass_tokens_per_s: every pass's)"})
     for g in goals:
         log(f"goal {g['goal']} [{g['row']}]: {g['value']}: {'PASS' if g['pass'] else 'MISS'}")
     plot(table.rows, os.path.join(RESULTS, "moe_mixtral_train.png"), f"{args.config}, {args.batch_size} x {seq_len}")
