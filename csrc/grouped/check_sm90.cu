@@ -8,8 +8,9 @@
  * multiples of the 128-row tile, empty groups among them, k with and
  * without a partial 128-byte block, n not a multiple of the 256-column tile,
  * each group's B in its own allocation; out poisoned with NaN, with padding
- * columns (ldo > n) and rows past the last group that must stay poisoned.
- * Every output is held to a float64 reference of the same inputs:
+ * columns (ldo > n) and rows past the last group that must stay poisoned;
+ * some cases hand the groups' ends over in device memory (device_row_end),
+ * with 40 more rows of a and out than the groups take.  Every output is held to a float64 reference of the same inputs:
  * |out - ref| <= 2^-8 |ref| + 2^-12 sum_k |a b| (bf16 output rounding plus
  * float32 accumulation); e4m3 2^-10 sum_k |a b|: Hopper's FP8 wgmma keeps
  * fewer accumulator bits than float32 (what cuBLASLt calls fast_accum),
@@ -18,7 +19,8 @@
  * fc2 [rows, 3584] x [1024, 3584]^T, 32,768 routed rows) at 8 and 64 experts,
  * balanced and random splits, against the library's per-group cuBLASLt
  * route (sf_grouped_gemm, one stream and its default lanes), TFLOP/s; the
- * kernel's other tile shapes (sf_grouped_sm90_run_variant) beside it.
+ * kernel's other tile shapes (sf_grouped_sm90_run_variant) and the
+ * library's shape with the groups' ends in device memory beside it.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -112,10 +114,12 @@ struct DevOps {
     }
 };
 
-static void upload(const Problem &p, const HostOps &h, DevOps &d, int64_t out_rows, int64_t ldo)
+/* a_rows >= the groups' rows: the rows past them hold finite filler (read by no group) */
+static void upload(const Problem &p, const HostOps &h, DevOps &d, int64_t out_rows, int64_t ldo, int64_t a_rows)
 {
     const int64_t rows = total_rows(p), es = p.fp8 ? 1 : 2;
-    CHECK_CUDA(cudaMalloc(&d.a, rows * p.k * es + 16));
+    CHECK_CUDA(cudaMalloc(&d.a, a_rows * p.k * es + 16));
+    CHECK_CUDA(cudaMemset(d.a, 0x3C, a_rows * p.k * es)); /* bf16 0.0115, e4m3 1.5 */
     CHECK_CUDA(cudaMemcpy(d.a, p.fp8 ? (const void *)h.a8.data() : (const void *)h.a16.data(), rows * p.k * es,
                           cudaMemcpyHostToDevice));
     d.b.resize(p.groups);
@@ -156,18 +160,33 @@ static void fill_args(const Problem &p, const DevOps &d, int64_t ldo, sf_grouped
     args.device_id = 0;
 }
 
-static void check_case(const Problem &p, int variant = 0)
+/* device_ends: the groups' end rows handed over in device memory
+ * (args.device_row_end), a and out 40 rows longer than the groups take
+ * (rows past the last end: read by no group, left untouched in out). */
+static void check_case(const Problem &p, int variant = 0, bool device_ends = false)
 {
     if (!check_take_case())
         return;
     HostOps h;
     make_ops(p, h);
-    const int64_t rows = total_rows(p), ldo = p.n + 8, out_rows = rows + 3;
+    const int64_t rows = total_rows(p), cap = rows + (device_ends ? 40 : 0), ldo = p.n + 8, out_rows = cap + 3;
     DevOps d;
-    upload(p, h, d, out_rows, ldo);
+    upload(p, h, d, out_rows, ldo, cap);
     CHECK_CUDA(cudaMemset(d.out, 0xFF, out_rows * ldo * 2)); /* bf16 NaN */
     sf_grouped_sm90_args args;
     fill_args(p, d, ldo, args);
+    int32_t *ends = nullptr;
+    if (device_ends) {
+        std::vector<int32_t> host_ends(p.groups);
+        for (int g = 0; g < p.groups; ++g)
+            host_ends[g] = (int32_t)args.row_start[g + 1];
+        CHECK_CUDA(cudaMalloc(&ends, p.groups * sizeof(int32_t)));
+        CHECK_CUDA(cudaMemcpy(ends, host_ends.data(), p.groups * sizeof(int32_t), cudaMemcpyHostToDevice));
+        for (int g = 1; g < p.groups; ++g)
+            args.row_start[g] = 0; /* (unread) */
+        args.row_start[p.groups] = cap;
+        args.device_row_end = ends;
+    }
     CHECK_SF(sf_grouped_sm90_run_variant(&args, variant, NULL)); /* (variant 0: sf_grouped_sm90_run's shape) */
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<uint16_t> out(out_rows * ldo);
@@ -199,8 +218,10 @@ static void check_case(const Problem &p, int variant = 0)
         for (int64_t c = (r < rows ? p.n : 0); c < ldo; ++c)
             untouched_bad += out[r * ldo + c] != 0xFFFF;
     char what[256];
-    snprintf(what, sizeof what, "variant %d %s groups=%d rows=%lld n=%lld k=%lld: %lld outputs off (worst err/tol "
-             "%.3g), %lld padding elements written", variant, p.fp8 ? "e4m3" : "bf16", p.groups, (long long)rows, (long long)p.n,
+    cudaFree(ends);
+    snprintf(what, sizeof what, "variant %d %s%s groups=%d rows=%lld n=%lld k=%lld: %lld outputs off (worst err/tol "
+             "%.3g), %lld padding elements written", variant, p.fp8 ? "e4m3" : "bf16",
+             device_ends ? " device ends" : "", p.groups, (long long)rows, (long long)p.n,
              (long long)p.k, (long long)bad, worst, (long long)untouched_bad);
     check_report(bad == 0 && untouched_bad == 0, what);
     if (bad || untouched_bad || getenv("CHECK_VERBOSE"))
@@ -265,6 +286,17 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
     for (int v = 0; v < 4; ++v)
         t_var[v] = time_ms([&] { CHECK_SF(sf_grouped_sm90_run_variant(&args, v, NULL)); }, 5, 20);
     const float t_kernel = t_var[0];
+    /* the same call with the ends in device memory (every SM launched, the tiles counted there) */
+    sf_grouped_sm90_args dev_args = args;
+    int32_t *ends;
+    std::vector<int32_t> host_ends(groups);
+    for (int g = 0; g < groups; ++g)
+        host_ends[g] = (int32_t)args.row_start[g + 1];
+    CHECK_CUDA(cudaMalloc(&ends, groups * sizeof(int32_t)));
+    CHECK_CUDA(cudaMemcpy(ends, host_ends.data(), groups * sizeof(int32_t), cudaMemcpyHostToDevice));
+    dev_args.device_row_end = ends;
+    const float t_dev = time_ms([&] { CHECK_SF(sf_grouped_sm90_run_variant(&dev_args, 0, NULL)); }, 5, 20);
+    cudaFree(ends);
 
     /* the library's per-group cuBLASLt route */
     const sf_dtype dt = fp8 ? SF_FLOAT8_E4M3 : SF_BFLOAT16;
@@ -301,11 +333,11 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
         }
         t_lib[li] = time_ms([&] { CHECK_SF(sf_grouped_gemm(&ga, NULL)); }, 5, 20);
     }
-    printf("bench %-14s %s G=%2d n=%5lld k=%5lld: kernel %.3f ms %.0f TFLOP/s (stores from registers, 3 stages "
-           "+ 4 boxes, columns first: %.0f %.0f %.0f) | "
+    printf("bench %-14s %s G=%2d n=%5lld k=%5lld: kernel %.3f ms %.0f TFLOP/s (ends on the device %.0f; stores "
+           "from registers, 3 stages + 4 boxes, columns first: %.0f %.0f %.0f) | "
            "cuBLASLt one stream %.3f ms %.0f (%.2fx) | default lanes %.3f ms %.0f (%.2fx)\n",
            name, fp8 ? "e4m3" : "bf16", groups, (long long)n, (long long)k, t_kernel, flops / t_kernel / 1e9,
-           flops / t_var[1] / 1e9, flops / t_var[2] / 1e9, flops / t_var[3] / 1e9, t_lib[0],
+           flops / t_dev / 1e9, flops / t_var[1] / 1e9, flops / t_var[2] / 1e9, flops / t_var[3] / 1e9, t_lib[0],
            flops / t_lib[0] / 1e9, t_lib[0] / t_kernel, t_lib[1], flops / t_lib[1] / 1e9, t_lib[1] / t_kernel);
     cudaFree(wbuf);
     cudaFree(ws);
@@ -358,6 +390,14 @@ int main(int argc, char **argv)
         }
     }
     check_case({false, 64, random_splits(4096, 64, 1), 256, 256});
+    /* the ends on the device (the router's counts, no host wait) */
+    for (int fp8 = 0; fp8 < 2; ++fp8) {
+        const int64_t kal = fp8 ? 16 : 8;
+        check_case({(bool)fp8, 3, {0, 200, 57}, 264, 5 * kal}, 0, true);
+        check_case({(bool)fp8, 8, {16, 300, 128, 0, 1, 255, 640, 7}, 1024, 160}, 0, true);
+        check_case({(bool)fp8, 5, {0, 0, 0, 0, 0}, 512, 64 * (fp8 ? 2 : 1)}, 0, true);
+    }
+    check_case({false, 64, random_splits(4096, 64, 1), 256, 256}, 0, true);
     for (int v = 1; v < 4; ++v)
         for (int fp8 = 0; fp8 < 2; ++fp8) {
             check_case({(bool)fp8, 4, {129, 0, 0, 383}, 520, 24 * (fp8 ? 16 : 8)}, v);

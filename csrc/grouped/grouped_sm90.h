@@ -45,6 +45,16 @@ typedef struct {
     const float *a_scale_inv[SF_GROUPED_SM90_MAX_GROUPS];
     const float *b_scale_inv[SF_GROUPED_SM90_MAX_GROUPS];
     int device_id;
+    /* Optional, NULL: the rows as row_start gives them.  Else the groups'
+     * end rows as int32 [groups] in device memory (ops.moe.
+     * device_split_offsets' layout), read by the kernel itself, so the
+     * call waits on nothing the GPU computes (the router's counts): then
+     * row_start[groups] is the rows a and out hold (row_start[0] = 0, the
+     * others unread), every group's b must be valid, each end is clamped
+     * to [the previous end, row_start[groups]], and the rows past the last
+     * end are left untouched.  The launch then takes every SM (the tiles
+     * are counted on the device). */
+    const int32_t *device_row_end;
 } sf_grouped_sm90_args;
 
 /* NULL when device `device_id` runs the kernel (compute capability 9.0,

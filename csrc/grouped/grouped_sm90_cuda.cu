@@ -107,6 +107,7 @@ struct Params {
     int n, kblocks, groups, n_tiles, total_tiles, fp8, rows;
     int row_start[kMaxGroups + 1];
     int tile_start[kMaxGroups + 1];
+    const int32_t *device_row_end; /* non-NULL: the tables above are made in the kernel from these */
     const float *a_scale_inv[kMaxGroups];
     const float *b_scale_inv[kMaxGroups];
 };
@@ -276,11 +277,34 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
     uint64_t *empty = full + C::STAGES;
     int *tile_start = (int *)(empty + C::STAGES);
     int *row_start = tile_start + kMaxGroups + 1;
+    int *total = row_start + kMaxGroups + 1; /* the call's tiles */
     const int tid = threadIdx.x, wg = tid / 128;
 
-    for (int i = tid; i <= p.groups; i += kThreads) {
-        tile_start[i] = p.tile_start[i];
-        row_start[i] = p.row_start[i];
+    if (p.device_row_end) {
+        /* the groups' ends as the device holds them (no host wait): loaded side by side, then clamped
+         * to [the previous end, the rows of a and out] and summed up by one thread */
+        for (int i = tid; i < p.groups; i += kThreads)
+            row_start[i + 1] = __ldg(p.device_row_end + i);
+        __syncthreads();
+        if (tid == 0) {
+            int prev = 0, t = 0;
+            row_start[0] = tile_start[0] = 0;
+            for (int g = 0; g < p.groups; ++g) {
+                const int end = min(max(row_start[g + 1], prev), p.rows);
+                t += (end - prev + kBM - 1) / kBM * p.n_tiles;
+                row_start[g + 1] = end;
+                tile_start[g + 1] = t;
+                prev = end;
+            }
+            *total = t;
+        }
+    } else {
+        for (int i = tid; i <= p.groups; i += kThreads) {
+            tile_start[i] = p.tile_start[i];
+            row_start[i] = p.row_start[i];
+        }
+        if (tid == 0)
+            *total = p.total_tiles;
     }
     if (tid == 0) {
         for (int s = 0; s < C::STAGES; ++s) {
@@ -290,12 +314,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    const int total_tiles = *total;
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (tid == 0) {
             int stage = 0, phase = 0;
-            for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+            for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
                 const Tile tl = tile_of<C>(t, tile_start, row_start, p.groups, p.n_tiles);
                 const CUtensorMap *bmap = &p.b_map[tl.g];
                 for (int kb = 0; kb < p.kblocks; ++kb) {
@@ -319,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
         const int row0 = (wg - 1) * 64;
         int stage = 0, phase = 0;
         float d[C::ACC];
-        for (int t = blockIdx.x; t < p.total_tiles; t += gridDim.x) {
+        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
             const Tile tl = tile_of<C>(t, tile_start, row_start, p.groups, p.n_tiles);
             for (int kb = 0; kb < p.kblocks; ++kb) {
                 mbar_wait(smem_u32(&full[stage]), phase);
@@ -524,11 +549,14 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
         return "the kernel needs fewer than 2^31 rows and columns";
     if (!aligned16(a->a) || !aligned16(a->out))
         return "the kernel needs a and out 16-byte aligned";
+    const bool on_device = a->device_row_end != nullptr;
+    if (on_device && ((uintptr_t)a->device_row_end & 3))
+        return "the kernel needs device_row_end 4-byte aligned (int32)";
     for (int g = 0; g < a->groups; ++g) {
-        if (a->row_start[g + 1] < a->row_start[g])
+        if (!on_device && a->row_start[g + 1] < a->row_start[g])
             return "the groups' row counts must not be negative";
-        if (a->row_start[g + 1] == a->row_start[g])
-            continue; /* (an empty group's b is never read) */
+        if (!on_device && a->row_start[g + 1] == a->row_start[g])
+            continue; /* (an empty group's b is never read; with device_row_end any group may have rows) */
         if (!aligned16(a->b[g]) || a->ldb[g] < a->k || a->ldb[g] % align)
             return "the kernel needs each b 16-byte aligned with a row stride of a multiple of 16 bytes";
         if (a->dtype == SF_FLOAT8_E4M3 && (!a->a_scale_inv[g] || !a->b_scale_inv[g]))
@@ -562,13 +590,16 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
     p.n_tiles = (int)((a->n + C::BN - 1) / C::BN);
     p.tile_start[0] = 0;
     p.row_start[0] = 0;
-    for (int g = 0; g < a->groups; ++g) {
+    p.device_row_end = a->device_row_end;
+    const bool on_device = a->device_row_end != nullptr;
+    for (int g = 0; g < a->groups && !on_device; ++g) {
         const int64_t m = a->row_start[g + 1] - a->row_start[g];
         p.row_start[g + 1] = (int)a->row_start[g + 1];
         p.tile_start[g + 1] = p.tile_start[g] + (int)((m + kBM - 1) / kBM) * p.n_tiles;
     }
-    p.total_tiles = p.tile_start[a->groups];
-    if (p.total_tiles == 0) /* (no rows: nothing to encode or launch) */
+    /* (with device_row_end the kernel counts the tiles: every SM's CTA runs, the idle ones return) */
+    p.total_tiles = on_device ? -1 : p.tile_start[a->groups];
+    if (p.total_tiles == 0 || rows == 0) /* (no rows: nothing to encode or launch) */
         return SF_OK;
     p.rows = (int)rows;
     if ((why = encode(&p.a_map, fn, fp8, a->a, rows, a->k, a->lda, kBM)))
@@ -576,7 +607,7 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
     if (C::EPI > 0 && (why = encode(&p.out_map, fn, false, a->out, rows, a->n, a->ldo, 64)))
         return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (out)", why);
     for (int g = 0; g < a->groups; ++g) {
-        if (p.row_start[g + 1] > p.row_start[g] &&
+        if ((on_device || p.row_start[g + 1] > p.row_start[g]) &&
             (why = encode(&p.b_map[g], fn, fp8, a->b[g], a->n, a->k, a->ldb[g], C::BN)))
             return sf_fail(SF_ERR_RUNTIME, "grouped_gemm (sm90 kernel): %s (b of group %d)", why, g);
         p.a_scale_inv[g] = fp8 ? a->a_scale_inv[g] : nullptr;
@@ -585,7 +616,7 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("grouped_gemm", a->device_id, &guard));
     const int sms = sf_cuda_sm_count(a->device_id);
-    const int grid = p.total_tiles < sms ? p.total_tiles : sms;
+    const int grid = on_device || p.total_tiles > sms ? sms : p.total_tiles;
     cudaError_t e = cudaSuccess;
     auto kernel = fp8 ? grouped_sm90_kernel<true, C> : grouped_sm90_kernel<false, C>;
     static bool attr_set[2][64]; /* (device ids were checked below 64 by sf_grouped_sm90_unfit; set under the lock) */
