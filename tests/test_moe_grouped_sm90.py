@@ -293,3 +293,101 @@ def test_cuda_sm90_at_mixtral_small_shapes_matches_cublaslt(seed):
         y = moe.grouped_gemm(x, wl, splits, transb=True, kernel="sm90")
         lt = moe.grouped_gemm(x, wl, splits, transb=True, kernel="cublaslt")
         assert rel_error(y, lt) <= pair_tol(torch.bfloat16)
+
+
+# ---- the groups' ends in a tensor (_C.grouped_gemm_device_ends) ---------------------------------------
+
+def _ends_call(x, w, ends, out, sx=None, sw=None):
+    from seqfuse import _C
+
+    return _C.grouped_gemm_device_ends(x, w, torch.tensor(ends, dtype=torch.int32, device=x.device), sx, sw, out)
+
+
+@pytest.mark.parametrize("splits,extra", [([0, 200, 57], 0), ([16, 30, 0, 1, 64], 40), ([0, 0], 9)],
+                         ids=["ragged", "rows_past_the_ends", "all_empty"])
+def test_device_ends_cpu_is_the_host_split_product(splits, extra, seed):
+    """On the CPU the ends are read on the host: the product equals
+    grouped_gemm over host splits bit for bit, and rows past the last end
+    stay as they were."""
+    k, n = 24, 40
+    x, w = _inputs(splits, k, n)
+    x = torch.cat([x, torch.randn(extra, k).bfloat16()])
+    out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    ends = torch.tensor(splits).cumsum(0).tolist()
+    _ends_call(x, w, ends, out)
+    rows = sum(splits)
+    if rows:
+        assert torch.equal(out[:rows], moe.grouped_gemm(x[:rows], w, splits, transb=True))
+    assert torch.isnan(out[rows:]).all()
+
+
+@needs_fp8
+def test_device_ends_cpu_fp8_is_the_host_split_product(seed):
+    splits = [48, 0, 16, 32]
+    k, n = 32, 48
+    xq = torch.randn(sum(splits), k).to(torch.float8_e4m3fn)
+    wq = torch.randn(len(splits), n, k).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(len(splits)) + 0.5, torch.rand(len(splits)) + 0.5
+    out = torch.empty(sum(splits), n, dtype=torch.bfloat16)
+    _ends_call(xq, wq, torch.tensor(splits).cumsum(0).tolist(), out, sx, sw)
+    ref = moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=sx, b_scale_inv=sw, fast_accum=True)
+    assert torch.equal(out, ref)
+
+
+def test_device_ends_are_clamped_as_the_kernel_clamps_them(seed):
+    """An end below the previous one is the previous one (an empty group);
+    one past a's rows is a's rows."""
+    k, n = 16, 16
+    x, w = _inputs([10, 10, 10], k, n)
+    out = torch.zeros(30, n, dtype=torch.bfloat16)
+    _ends_call(x, w, [20, 5, 99], out)
+    assert torch.equal(out, moe.grouped_gemm(x, w, [20, 0, 10], transb=True))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(ends=torch.tensor([1, 2], dtype=torch.int64)), TypeError, "row_end"),
+    (dict(ends=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError, "one end row per group \\(2\\)"),
+    (dict(w=torch.zeros(2, 8, 24).bfloat16()), ValueError, "do not agree"),
+    (dict(x=torch.zeros(16, 16)), TypeError, "a and b must both be bfloat16 or both float8_e4m3fn"),
+    (dict(sx=torch.ones(2)), ValueError, "bfloat16 ones neither"),
+    (dict(out=torch.zeros(16, 8)), TypeError, "out"),
+    (dict(w=torch.zeros(65, 8, 16).bfloat16(), ends=torch.arange(65, dtype=torch.int32)), ValueError,
+     "1 to 64 groups"),
+])
+def test_device_ends_bad_inputs(change, error, match):
+    from seqfuse import _C
+
+    args = dict(x=torch.zeros(16, 16).bfloat16(), w=torch.zeros(2, 8, 16).bfloat16(),
+                ends=torch.tensor([8, 16], dtype=torch.int32), sx=None, sw=None,
+                out=torch.zeros(16, 8).bfloat16())
+    args.update(change)
+    with pytest.raises(error, match=match):
+        _C.grouped_gemm_device_ends(args["x"], args["w"], args["ends"], args["sx"], args["sw"], args["out"])
+
+
+def test_grouped_gemm_device_kernel_argument():
+    x, w = torch.zeros(16, 16).bfloat16(), torch.zeros(2, 8, 16).bfloat16()
+    offs = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="argument 'kernel' must be None, 'torch' or 'sm90', got 'fast'"):
+        moe.grouped_gemm_device(x, w, offs, transb=True, kernel="fast")
+    with pytest.raises(ValueError, match="kernel='sm90' takes the forward form only"):
+        moe.grouped_gemm_device(x, w, offs, kernel="sm90")
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("splits", [[0, 200, 57, 1000], [4096] * 8], ids=["ragged", "mixtral_small"])
+def test_cuda_device_ends_sm90_matches_torch_grouped_mm(splits, seed):
+    """kernel='sm90' reads the offsets on the device: the product equals
+    torch._grouped_mm's within bf16 rounding, and no host synchronization
+    happens in the call."""
+    from helpers import no_host_sync
+
+    k, n = 256, 512
+    x, w = _inputs(splits, k, n, device="cuda")
+    counts = torch.tensor(splits, device="cuda")
+    offs = moe.device_split_offsets(counts, x.shape[0])
+    with no_host_sync():
+        y = moe.grouped_gemm_device(x, w, offs, transb=True, kernel="sm90")
+    ref = moe.grouped_gemm_device(x, w, offs, transb=True)
+    assert rel_error(y, ref) <= pair_tol(torch.bfloat16)

@@ -42,6 +42,11 @@
  * of the workspace and, when the groups fit side by side, of the SMs
  * (sf_gemm's sm_count_target).
  * tests/test_moe_grouped_gemm.py compares the two backends.
+ *
+ * sf_grouped_gemm_device_ends (at the end): the forward product with the
+ * groups' ends in a tensor; on CUDA the sm90 kernel reads them on the
+ * device (its only route there), on the CPU they are read here and the
+ * groups go through sf_grouped_gemm.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -550,4 +555,133 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
         return joined;
     }
     return st;
+}
+
+/* ---- the groups' ends on the device (sf_grouped_gemm_device_ends) --------- */
+
+static const char DEV_OP[] = "grouped_gemm_device_ends";
+
+/* The checks the entry makes on either device: shapes, dtypes, devices. */
+static sf_status device_ends_check(const sf_tensor *a, const sf_tensor *b, const sf_tensor *row_end,
+                                   const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv,
+                                   const sf_tensor *out)
+{
+    if (!a || !b || !row_end || !out)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'a', 'b', 'row_end' and 'out' are required", DEV_OP);
+    if (a->ndim != 2 || b->ndim != 3 || out->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: takes a [M, K], b [G, N, K] and out [M, N], got %d-D, %d-D and "
+                       "%d-D", DEV_OP, a->ndim, b->ndim, out->ndim);
+    const int64_t G = b->shape[0], N = b->shape[1], K = b->shape[2];
+    if (G < 1 || G > SF_GROUPED_SM90_MAX_GROUPS)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'b' must stack 1 to %d groups' [N, K] matrices, got %lld",
+                       DEV_OP, SF_GROUPED_SM90_MAX_GROUPS, (long long)G);
+    if (a->shape[1] != K || out->shape[0] != a->shape[0] || out->shape[1] != N)
+        return sf_fail(SF_ERR_VALUE, "%s: a [M, K] = [%lld, %lld], b [G, N, K] = [%lld, %lld, %lld] and out "
+                       "[M, N] = [%lld, %lld] do not agree", DEV_OP, (long long)a->shape[0],
+                       (long long)a->shape[1], (long long)G, (long long)N, (long long)K,
+                       (long long)out->shape[0], (long long)out->shape[1]);
+    SF_TRY(sf_check_dtype(DEV_OP, "row_end", row_end, SF_INT32));
+    if (row_end->ndim != 1 || row_end->shape[0] != G)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'row_end' must be 1-D with one end row per group (%lld)",
+                       DEV_OP, (long long)G);
+    if (a->dtype != b->dtype || (a->dtype != SF_BFLOAT16 && a->dtype != SF_FLOAT8_E4M3))
+        return sf_fail(SF_ERR_TYPE, "%s: a and b must both be bfloat16 or both float8_e4m3fn", DEV_OP);
+    SF_TRY(sf_check_dtype(DEV_OP, "out", out, SF_BFLOAT16));
+    const int fp8 = a->dtype == SF_FLOAT8_E4M3;
+    if (fp8 != (a_scale_inv != NULL) || fp8 != (b_scale_inv != NULL))
+        return sf_fail(SF_ERR_VALUE, "%s: float8 operands take a_scale_inv and b_scale_inv, bfloat16 ones "
+                       "neither", DEV_OP);
+    SF_TRY(check_scale("a_scale_inv", a_scale_inv, (int)G));
+    SF_TRY(check_scale("b_scale_inv", b_scale_inv, (int)G));
+    const sf_tensor *all[] = {b, row_end, out, a_scale_inv, b_scale_inv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
+        if (all[i] && (all[i]->device != a->device || all[i]->device_id != a->device_id))
+            return sf_fail(SF_ERR_VALUE, "%s: every tensor must be on a's device", DEV_OP);
+    if (row_end->device != SF_CPU && row_end->strides[0] != 1) /* (the kernel reads G consecutive ints) */
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'row_end' must be contiguous", DEV_OP);
+    return SF_OK;
+}
+
+/* CPU: the ends read here, clamped as the kernel clamps them, and the
+ * groups' products through sf_grouped_gemm (its per-group reference). */
+static sf_status device_ends_cpu(const sf_tensor *a, const sf_tensor *b, const sf_tensor *row_end,
+                                 const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv, sf_tensor *out,
+                                 sf_stream stream)
+{
+    const int G = (int)b->shape[0];
+    int64_t splits[SF_GROUPED_SM90_MAX_GROUPS];
+    sf_tensor b_views[SF_GROUPED_SM90_MAX_GROUPS];
+    const size_t es = sf_dtype_size(b->dtype);
+    int64_t prev = 0;
+    for (int g = 0; g < G; ++g) {
+        int64_t end = ((const int32_t *)row_end->data)[g * row_end->strides[0]];
+        end = end < prev ? prev : end > a->shape[0] ? a->shape[0] : end;
+        splits[g] = end - prev;
+        prev = end;
+        b_views[g] = *b;
+        b_views[g].ndim = 2;
+        b_views[g].shape[0] = b->shape[1];
+        b_views[g].shape[1] = b->shape[2];
+        b_views[g].strides[0] = b->strides[1];
+        b_views[g].strides[1] = b->strides[2];
+        b_views[g].data = (char *)b->data + (int64_t)g * b->strides[0] * (int64_t)es;
+    }
+    sf_tensor a_rows = *a, out_rows = *out; /* the rows the groups take; those past them are not touched */
+    a_rows.shape[0] = out_rows.shape[0] = prev;
+    sf_grouped_gemm_args ga;
+    sf_grouped_gemm_args_init(&ga);
+    ga.num_groups = G;
+    ga.m_splits = splits;
+    ga.a = &a_rows;
+    ga.b_list = b_views;
+    ga.out = &out_rows;
+    ga.transb = 1;
+    ga.a_scale_inv = a_scale_inv;
+    ga.b_scale_inv = b_scale_inv;
+    ga.fast_accum = a->dtype == SF_FLOAT8_E4M3;
+    return sf_grouped_gemm(&ga, stream);
+}
+
+sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, const sf_tensor *row_end,
+                                      const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv, sf_tensor *out,
+                                      sf_stream stream)
+{
+    SF_TRY(device_ends_check(a, b, row_end, a_scale_inv, b_scale_inv, out));
+    if (a->device == SF_CPU)
+        return device_ends_cpu(a, b, row_end, a_scale_inv, b_scale_inv, out, stream);
+#ifdef SF_WITH_CUDA
+    const int G = (int)b->shape[0];
+    const size_t es = sf_dtype_size(b->dtype);
+    sf_grouped_sm90_args k;
+    memset(&k, 0, sizeof k);
+    k.dtype = a->dtype;
+    k.groups = G;
+    k.n = b->shape[1];
+    k.k = b->shape[2];
+    k.a = a->data;
+    k.lda = a->strides[0];
+    k.out = out->data;
+    k.ldo = out->strides[0];
+    k.row_start[G] = a->shape[0];
+    k.device_row_end = (const int32_t *)row_end->data;
+    k.device_id = a->device_id;
+    if (a->strides[1] != 1 || out->strides[1] != 1 || b->strides[2] != 1)
+        return sf_fail(SF_ERR_VALUE, "%s: a, b and out must have unit column stride (K-major a and b)", DEV_OP);
+    for (int g = 0; g < G; ++g) {
+        k.b[g] = (const char *)b->data + (int64_t)g * b->strides[0] * (int64_t)es;
+        k.ldb[g] = b->strides[1];
+        if (a->dtype == SF_FLOAT8_E4M3) {
+            const float *sa = (const float *)a_scale_inv->data, *sb = (const float *)b_scale_inv->data;
+            k.a_scale_inv[g] = sf_numel(a_scale_inv) == 1 ? sa : sa + (int64_t)g * a_scale_inv->strides[0];
+            k.b_scale_inv[g] = sf_numel(b_scale_inv) == 1 ? sb : sb + (int64_t)g * b_scale_inv->strides[0];
+        }
+    }
+    const char *why = sf_grouped_sm90_unfit(&k);
+    if (why) /* (no other route reads the ends on the device: refused, not run another way) */
+        return sf_fail(why == sf_grouped_sm90_device_unfit(a->device_id) ? SF_ERR_NOT_IMPLEMENTED : SF_ERR_VALUE,
+                       "%s: the sm90 kernel, this op's only CUDA route, cannot take this call: %s", DEV_OP, why);
+    return sf_grouped_sm90_run(&k, stream);
+#else
+    return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the library was built without CUDA", DEV_OP);
+#endif
 }

@@ -111,6 +111,26 @@ void sf_grouped_gemm_args_init(sf_grouped_gemm_args *args);
 
 sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream);
 
+/* The experts' forward product with the groups' end rows in a tensor,
+ * row_end (int32 [G], ops.moe.device_split_offsets' layout): per group g,
+ * out[rows of g] = a[rows of g] @ b[g]^T, the rows of g being [row_end[g-1],
+ * row_end[g]) (row_end[-1] = 0), each end clamped to [the previous end, M].
+ * a [M, K] and b [G, N, K] (K-major), out [M, N] bfloat16; a and b
+ * bfloat16, or float8_e4m3fn with a_scale_inv and b_scale_inv (float32, G
+ * or 1 elements) and the FP8 accumulation of fast_accum; 1 to 64 groups.
+ * Rows of out past the last end are not written.  On the CPU the ends are
+ * read on the host and each group runs sf_gemm's reference (the
+ * definition); on CUDA the sm90 grouped kernel reads them on the device,
+ * so nothing waits on the host for them (a router's counts): its rules
+ * apply (compute capability 9.0 and an sm_90a build, else
+ * SF_ERR_NOT_IMPLEMENTED; K and N multiples of 16 bytes, 16-byte aligned
+ * operands, unit column strides), and a call it cannot take is refused
+ * with the rule, not run another way (cuBLASLt needs the counts on the
+ * host: sf_grouped_gemm). */
+sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, const sf_tensor *row_end,
+                                      const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv, sf_tensor *out,
+                                      sf_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,8 @@
  * GroupedLinear's weights).  bias likewise: a list of G 1-D tensors or one
  * 2-D [G, n] tensor.  m_splits is a sequence of G Python ints (host values:
  * this route issues one cuBLASLt call per group from the host).
+ * grouped_gemm_device_ends takes the groups' end rows as a tensor instead
+ * (sf_grouped_gemm_device_ends; one SF_PY_OP line).
  */
 #include "py_call.h"
 
@@ -219,4 +221,10 @@ SF_PY_BINDING_FULL(grouped_gemm, "grouped_gemm", grouped_args, grouped_call, gro
                    "Per group g, out_g = op(a_g) @ op(b_g); returns why a call of the sm90 kernel's "
                    "form did not take it, else None. See seqfuse.ops.moe.grouped_gemm.");
 
-const sf_py_binding *const sf_py_grouped_bindings[] = {&grouped_gemm_binding, NULL};
+SF_PY_OP(grouped_gemm_device_ends, sf_grouped_gemm_device_ends,
+         "Per group g, out[rows of g] = a[rows of g] @ b[g]^T, the groups' end rows in row_end (read on the "
+         "device on CUDA). See seqfuse.ops.moe.grouped_gemm_device.",
+         (T, a), (T, b), (T, row_end), (OT, a_scale_inv), (OT, b_scale_inv), (T, out));
+
+const sf_py_binding *const sf_py_grouped_bindings[] = {&grouped_gemm_binding, &grouped_gemm_device_ends_binding,
+                                                       NULL};

@@ -444,7 +444,7 @@ def _offsets_arg(op, offsets):
     return offsets
 
 
-def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
+def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False, kernel=None):
     """:func:`grouped_gemm` with the row counts left on the GPU: the device-split
     route.  ``offsets`` are the groups' end rows (:func:`device_split_offsets`),
     read by the kernel itself, so nothing waits on the host and a step stays
@@ -458,12 +458,22 @@ def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
     bfloat16 CUDA tensors, each dimension but the split rows a multiple of
     8 (16-byte rows), float32 accumulation, the output in bfloat16.  An
     empty group's rows do not exist, or (wgrad) its product is zero.
-    Route: torch._grouped_mm (CUTLASS's grouped kernel in torch, the same
-    kernel transformers' grouped_mm experts run): cuBLASLt, seqfuse's other
-    route, takes each group's size on the host.  A torch without
-    _grouped_mm raises NotImplementedError."""
+    Route (``kernel``): None or "torch", torch._grouped_mm (CUTLASS's
+    grouped kernel in torch, the same kernel transformers' grouped_mm
+    experts run): cuBLASLt, seqfuse's other route, takes each group's size
+    on the host.  A torch without _grouped_mm raises NotImplementedError.
+    "sm90": seqfuse's persistent Hopper grouped kernel, which reads the
+    offsets on the device itself (_C.grouped_gemm_device_ends, the forward
+    form only: transb=True; compute capability 9.0; the rows past the last
+    offset are not written); a call it cannot take is refused with its
+    rule.  Not yet timed against torch._grouped_mm on a GPU, so not the
+    default."""
     op = "grouped_gemm_device"
-    if not hasattr(torch, "_grouped_mm"):
+    if kernel not in (None, "torch", "sm90"):
+        raise ValueError(f"{op}: argument 'kernel' must be None, 'torch' or 'sm90', got {kernel!r}")
+    if kernel == "sm90" and (transa or not transb):
+        raise ValueError(f"{op}: kernel='sm90' takes the forward form only (transa=False, transb=True)")
+    if kernel != "sm90" and not hasattr(torch, "_grouped_mm"):
         raise NotImplementedError(f"{op}: this torch ({torch.__version__}) has no torch._grouped_mm, the "
                                   "device-split route's kernel: pass host row counts (a list of ints)")
     a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
@@ -491,6 +501,10 @@ def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False):
     if offsets.device != a.device or b.device != a.device:
         raise ValueError(f"{op}: a, b and offsets must be on one device, got {a.device}, {b.device} and "
                          f"{offsets.device}")
+    if kernel == "sm90":
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+        _C.grouped_gemm_device_ends(dense(a), b, offsets, None, None, out, stream_for(a))
+        return out
     if transa:
         return torch._grouped_mm(dense(a).t(), dense(b), offs=offsets)
     return torch._grouped_mm(dense(a), b.transpose(1, 2) if transb else b, offs=offsets)
