@@ -120,6 +120,9 @@ def main():
     ap.add_argument("--kernels", default="auto", help="comma-separated ops.moe.grouped_gemm kernels to time "
                     "seqfuse with (auto, cublaslt, sm90); --lanes applies to cublaslt")
     ap.add_argument("--experts", default="8,16,64", help="comma-separated expert counts")
+    ap.add_argument("--device-ends", action="store_true",
+                    help="also time ops.moe.grouped_gemm_device(kernel='sm90') (the offsets read on the GPU) "
+                         "against torch._grouped_mm on the same offsets, bf16 (kernel 'sm90 device ends')")
     args = ap.parse_args()
     lanes_list = [int(v) for v in args.lanes.split(",")]
     variants = [(kn, ln) for kn in args.kernels.split(",") for ln in (lanes_list if kn == "cublaslt" else [0])]
@@ -159,6 +162,14 @@ def main():
                               seqfuse_tflops=bf[v], peer_tflops=tflops(splits, n, k, p_ms), vs_peer=p_ms / t,
                               loop_tflops=tflops(splits, n, k, l_ms), vs_loop=l_ms / t,
                               vs_seqfuse_bf16=1.0, peer=name)
+
+                if args.device_ends:
+                    d_ms = cuda_time_ms(lambda: moe.grouped_gemm_device(x, w, offs, transb=True, kernel="sm90"))
+                    table.add(experts=experts, split=kind, gemm=gemm, precision="bf16", kernel="sm90 device ends",
+                              lanes=0, seqfuse_tflops=tflops(splits, n, k, d_ms),
+                              peer_tflops=tflops(splits, n, k, p_ms), vs_peer=p_ms / d_ms,
+                              loop_tflops=tflops(splits, n, k, l_ms), vs_loop=l_ms / d_ms, vs_seqfuse_bf16=1.0,
+                              peer=name)
 
                 # FP8: per-expert per-tensor scales (the same bytes for the peer)
                 amax_x = x.float().abs().amax().clamp(min=1e-12)
