@@ -72,7 +72,7 @@ Rows (``--rows``):
                       what the route's removal of the host synchronization
                       gives.
 A row that fails keeps its error and the others run.  ``--profile DIR``:
-after a row's timed pass, ``--profile-steps`` more steps under
+after a row's timed passes, ``--profile-steps`` more steps under
 torch.profiler, summarised to DIR/<row>_profile.txt
 (benchmarks/profile_summary.py: GPU busy and idle time, the top kernels),
 and on the GPU the Python stacks of one step's synchronizing CUDA calls in
@@ -82,8 +82,9 @@ may still be attached when the next row is timed).  Timing: ``--warm-passes``
 (default 2: s17 saw an FP8 row 14-23 % faster after more untimed steps)
 untimed passes over the very batches, then ``--timed-passes`` (default 5)
 timed passes, each with the GPU synchronized before and after it only; a
-row's rate is the median pass's, every pass's kept in the JSON
-(pass_tokens_per_s).  Reported: unpadded tokens/s, vs_hf (against
+row's rate is the median pass's (of an even count the slower middle one),
+every pass's kept in the JSON (pass_tokens_per_s); the final loss and the
+peak memory are after all of them.  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16), vs_best_hf (against the fastest transformers row timed before it:
 put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
@@ -275,7 +276,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
         losses = [step(b) for b in batches]
         sync()
         passes.append(time.perf_counter() - t0)
-    seconds = statistics.median(passes)
+    seconds = statistics.median_high(passes)  # (a pass's own time; of an even count the slower middle one)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     final = float(losses[-1])
     if profile:
@@ -317,14 +318,14 @@ def main(argv=None):
     ap.add_argument("--data", default=None, help="a genome-window Parquet file (default: the benchmark's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="after each row's timed pass, profile --profile-steps more steps into DIR/<row>_profile.txt")
+                    help="after each row's timed passes, profile --profile-steps more steps into DIR/<row>_profile.txt")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--timed-passes", type=int, default=5,
                     help="timed passes over the batches, each timed alone; a row's rate is the median pass's, and "
                          "the JSON keeps every pass's (s46's host-bound FP8 rows moved 10-20 %% between runs of "
                          "one pass each)")
     ap.add_argument("--warm-passes", type=int, default=2,
-                    help="untimed passes over the batches before the timed one (the routing, so the grouped GEMMs' "
+                    help="untimed passes over the batches before the timed ones (the routing, so the grouped GEMMs' "
                          "row counts and the GEMM plans they need, changes as the model trains)")
     args = ap.parse_args(argv)
     if args.warm_passes < 1:

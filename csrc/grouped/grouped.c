@@ -88,23 +88,23 @@ static sf_status check_form(const char *name, const sf_tensor *split, const sf_t
     return SF_OK;
 }
 
-static sf_status check_scale(const char *name, const sf_tensor *s, int groups)
+static sf_status check_scale(const char *op, const char *name, const sf_tensor *s, int groups)
 {
     if (!s)
         return SF_OK;
-    SF_TRY(sf_check_dtype(OP, name, s, SF_FLOAT32));
+    SF_TRY(sf_check_dtype(op, name, s, SF_FLOAT32));
     int64_t n = sf_numel(s);
     if (n != groups && n != 1)
         return sf_fail(SF_ERR_VALUE,
                        "%s: argument '%s' must hold one scale inverse per group (%d) or one "
                        "shared by all groups, got %lld elements",
-                       OP, name, groups, (long long)n);
+                       op, name, groups, (long long)n);
     /* per group: a 1-D vector of any positive element stride (each group's scale
      * reaches cuBLASLt through gemm.c, which refuses one not 16-byte aligned on CUDA;
      * the grouped FP8 cast writes them 64 floats apart) */
     if (n > 1 && (s->ndim != 1 || s->strides[0] < 1))
         return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be a 1-D tensor of %d scale inverses "
-                       "(any positive stride)", OP, name, groups);
+                       "(any positive stride)", op, name, groups);
     return SF_OK;
 }
 
@@ -429,8 +429,8 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     SF_TRY(check_form("a", args->a, args->a_list, total));
     SF_TRY(check_form("b", args->b, args->b_list, total));
     SF_TRY(check_form("out", args->out, args->out_list, total));
-    SF_TRY(check_scale("a_scale_inv", args->a_scale_inv, G));
-    SF_TRY(check_scale("b_scale_inv", args->b_scale_inv, G));
+    SF_TRY(check_scale(OP, "a_scale_inv", args->a_scale_inv, G));
+    SF_TRY(check_scale(OP, "b_scale_inv", args->b_scale_inv, G));
     if ((args->a_scale_inv && args->a_scale_list) || (args->b_scale_inv && args->b_scale_list))
         return sf_fail(SF_ERR_VALUE, "%s: give an operand's scale inverses either as one tensor "
                        "(per-tensor scaling) or as a list of num_groups tensors, not both", OP);
@@ -591,19 +591,109 @@ static sf_status device_ends_check(const sf_tensor *a, const sf_tensor *b, const
     if (fp8 != (a_scale_inv != NULL) || fp8 != (b_scale_inv != NULL))
         return sf_fail(SF_ERR_VALUE, "%s: float8 operands take a_scale_inv and b_scale_inv, bfloat16 ones "
                        "neither", DEV_OP);
-    SF_TRY(check_scale("a_scale_inv", a_scale_inv, (int)G));
-    SF_TRY(check_scale("b_scale_inv", b_scale_inv, (int)G));
+    SF_TRY(check_scale(DEV_OP, "a_scale_inv", a_scale_inv, (int)G));
+    SF_TRY(check_scale(DEV_OP, "b_scale_inv", b_scale_inv, (int)G));
     const sf_tensor *all[] = {b, row_end, out, a_scale_inv, b_scale_inv};
+    static const char *const names[] = {"b", "row_end", "out", "a_scale_inv", "b_scale_inv"};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
-        if (all[i] && (all[i]->device != a->device || all[i]->device_id != a->device_id))
-            return sf_fail(SF_ERR_VALUE, "%s: every tensor must be on a's device", DEV_OP);
+        if (all[i])
+            SF_TRY(sf_check_same_device(DEV_OP, "a", a, names[i], all[i]));
     if (row_end->device != SF_CPU && row_end->strides[0] != 1) /* (the kernel reads G consecutive ints) */
         return sf_fail(SF_ERR_VALUE, "%s: argument 'row_end' must be contiguous", DEV_OP);
+    const sf_tensor *rowwise[] = {a, b, out};
+    static const char *const rowwise_names[] = {"a", "b", "out"};
+    for (int i = 0; i < 3; ++i)
+        if (rowwise[i]->strides[rowwise[i]->ndim - 1] != 1)
+            return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have unit stride along its last dimension "
+                           "(K-major a and b rows, out rows)", DEV_OP, rowwise_names[i]);
+    if (fp8 && K % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: float8 operands need K a multiple of 16, got %lld", DEV_OP, (long long)K);
+    SF_TRY(sf_check_writable(DEV_OP, "out", out));
+    const sf_mem_arg outs[] = {{"out", out, NULL}};
+    const sf_mem_arg ins[] = {{"a", a, NULL}, {"b", b, NULL}, {"row_end", row_end, NULL},
+                              {"a_scale_inv", a_scale_inv, NULL}, {"b_scale_inv", b_scale_inv, NULL}};
+    SF_TRY(sf_check_apart(DEV_OP, outs, 1, ins, 5));
     return SF_OK;
 }
 
+/* A 2-D CPU tensor over `data`: rows x cols of dtype, row-major. */
+static sf_tensor host_matrix(void *data, sf_dtype dtype, int64_t rows, int64_t cols)
+{
+    sf_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dtype;
+    t.ndim = 2;
+    t.shape[0] = rows;
+    t.shape[1] = cols;
+    t.strides[0] = cols;
+    t.strides[1] = 1;
+    t.device = SF_CPU;
+    return t;
+}
+
+/* Element g of a per-group (or shared, one-element) scale vector, as a
+ * one-element tensor. */
+static sf_tensor scale_of(const sf_tensor *s, int g)
+{
+    sf_tensor v = *s;
+    if (sf_numel(s) > 1)
+        v.data = (char *)s->data + (int64_t)g * s->strides[0] * (int64_t)sizeof(float);
+    v.ndim = 1;
+    v.shape[0] = 1;
+    v.strides[0] = 1;
+    return v;
+}
+
+/* FP8 group g on the CPU at any row count and n (the kernel's): its rows
+ * and b_g zero-padded to multiples of 16 rows, sf_gemm's FP8 granularity
+ * (a padded row or column changes no other entry), then the real part of
+ * the product copied out. */
+static sf_status device_ends_cpu_fp8_group(const sf_tensor *a, const sf_tensor *b_g, int64_t row0, int64_t m,
+                                           const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv, int g,
+                                           sf_tensor *out, sf_stream stream)
+{
+    const int64_t n = b_g->shape[0], k = b_g->shape[1], m16 = (m + 15) / 16 * 16, n16 = (n + 15) / 16 * 16;
+    uint8_t *ap = calloc((size_t)(m16 * k), 1), *bp = calloc((size_t)(n16 * k), 1);
+    uint16_t *op = calloc((size_t)(m16 * n16), sizeof(uint16_t));
+    sf_status st = SF_OK;
+    if (!ap || !bp || !op) {
+        st = sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for an FP8 group's padded copy", DEV_OP);
+        goto done;
+    }
+    for (int64_t r = 0; r < m; ++r)
+        memcpy(ap + r * k, (const uint8_t *)a->data + (row0 + r) * a->strides[0], (size_t)k);
+    for (int64_t r = 0; r < n; ++r)
+        memcpy(bp + r * k, (const uint8_t *)b_g->data + r * b_g->strides[0], (size_t)k);
+    sf_tensor ta = host_matrix(ap, a->dtype, m16, k), tb = host_matrix(bp, b_g->dtype, n16, k);
+    sf_tensor to = host_matrix(op, SF_BFLOAT16, m16, n16);
+    sf_tensor sa = scale_of(a_scale_inv, g), sb = scale_of(b_scale_inv, g);
+    int64_t split = m16;
+    sf_grouped_gemm_args ga;
+    sf_grouped_gemm_args_init(&ga);
+    ga.num_groups = 1;
+    ga.m_splits = &split;
+    ga.a = &ta;
+    ga.b_list = &tb;
+    ga.out = &to;
+    ga.transb = 1;
+    ga.a_scale_inv = &sa;
+    ga.b_scale_inv = &sb;
+    ga.fast_accum = 1;
+    if ((st = sf_grouped_gemm(&ga, stream)) == SF_OK)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < n; ++c)
+                ((uint16_t *)out->data)[(row0 + r) * out->strides[0] + c * out->strides[1]] = op[r * n16 + c];
+done:
+    free(ap);
+    free(bp);
+    free(op);
+    return st;
+}
+
 /* CPU: the ends read here, clamped as the kernel clamps them, and the
- * groups' products through sf_grouped_gemm (its per-group reference). */
+ * groups' products through sf_grouped_gemm (its per-group reference;
+ * FP8 groups padded to its granularity one by one). */
 static sf_status device_ends_cpu(const sf_tensor *a, const sf_tensor *b, const sf_tensor *row_end,
                                  const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv, sf_tensor *out,
                                  sf_stream stream)
@@ -626,6 +716,14 @@ static sf_status device_ends_cpu(const sf_tensor *a, const sf_tensor *b, const s
         b_views[g].strides[1] = b->strides[2];
         b_views[g].data = (char *)b->data + (int64_t)g * b->strides[0] * (int64_t)es;
     }
+    if (a->dtype == SF_FLOAT8_E4M3) {
+        int64_t row0 = 0;
+        for (int g = 0; g < G; row0 += splits[g], ++g)
+            if (splits[g] > 0)
+                SF_TRY(device_ends_cpu_fp8_group(a, &b_views[g], row0, splits[g], a_scale_inv, b_scale_inv, g,
+                                                 out, stream));
+        return SF_OK;
+    }
     sf_tensor a_rows = *a, out_rows = *out; /* the rows the groups take; those past them are not touched */
     a_rows.shape[0] = out_rows.shape[0] = prev;
     sf_grouped_gemm_args ga;
@@ -636,9 +734,6 @@ static sf_status device_ends_cpu(const sf_tensor *a, const sf_tensor *b, const s
     ga.b_list = b_views;
     ga.out = &out_rows;
     ga.transb = 1;
-    ga.a_scale_inv = a_scale_inv;
-    ga.b_scale_inv = b_scale_inv;
-    ga.fast_accum = a->dtype == SF_FLOAT8_E4M3;
     return sf_grouped_gemm(&ga, stream);
 }
 
@@ -662,11 +757,9 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
     k.lda = a->strides[0];
     k.out = out->data;
     k.ldo = out->strides[0];
-    k.row_start[G] = a->shape[0];
+    k.row_start[G] = a->shape[0]; /* (the rows a and out hold: the ends are clamped to them) */
     k.device_row_end = (const int32_t *)row_end->data;
     k.device_id = a->device_id;
-    if (a->strides[1] != 1 || out->strides[1] != 1 || b->strides[2] != 1)
-        return sf_fail(SF_ERR_VALUE, "%s: a, b and out must have unit column stride (K-major a and b)", DEV_OP);
     for (int g = 0; g < G; ++g) {
         k.b[g] = (const char *)b->data + (int64_t)g * b->strides[0] * (int64_t)es;
         k.ldb[g] = b->strides[1];
@@ -676,10 +769,14 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
             k.b_scale_inv[g] = sf_numel(b_scale_inv) == 1 ? sb : sb + (int64_t)g * b_scale_inv->strides[0];
         }
     }
-    const char *why = sf_grouped_sm90_unfit(&k);
-    if (why) /* (no other route reads the ends on the device: refused, not run another way) */
-        return sf_fail(why == sf_grouped_sm90_device_unfit(a->device_id) ? SF_ERR_NOT_IMPLEMENTED : SF_ERR_VALUE,
-                       "%s: the sm90 kernel, this op's only CUDA route, cannot take this call: %s", DEV_OP, why);
+    /* (no other route reads the ends on the device: refused with the rule, not run another way) */
+    const char *why = sf_grouped_sm90_device_unfit(a->device_id);
+    if (why)
+        return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the sm90 kernel, this op's only CUDA route, cannot run here: %s",
+                       DEV_OP, why);
+    if ((why = sf_grouped_sm90_unfit(&k)) != NULL)
+        return sf_fail(SF_ERR_VALUE, "%s: the sm90 kernel, this op's only CUDA route, cannot take this call: %s",
+                       DEV_OP, why);
     return sf_grouped_sm90_run(&k, stream);
 #else
     return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the library was built without CUDA", DEV_OP);

@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
             row_start[0] = tile_start[0] = 0;
             for (int g = 0; g < p.groups; ++g) {
                 const int end = min(max(row_start[g + 1], prev), p.rows);
-                t += (end - prev + kBM - 1) / kBM * p.n_tiles;
+                t += ((end - prev) / kBM + ((end - prev) % kBM != 0)) * p.n_tiles; /* (no overflow near 2^31) */
                 row_start[g + 1] = end;
                 tile_start[g + 1] = t;
                 prev = end;
@@ -545,7 +545,8 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
                                        : "the kernel needs k a positive multiple of 16 and n of 8";
     if (a->lda < a->k || a->lda % align || a->ldo < a->n || a->ldo % 8)
         return "the kernel needs row strides of a and out multiples of 16 bytes, at least a row";
-    if (a->row_start[0] != 0 || a->row_start[a->groups] >= ((int64_t)1 << 31) || a->n >= ((int64_t)1 << 31))
+    if (a->row_start[0] != 0 || a->row_start[a->groups] < 0 || a->row_start[a->groups] >= ((int64_t)1 << 31) ||
+        a->n >= ((int64_t)1 << 31))
         return "the kernel needs fewer than 2^31 rows and columns";
     if (!aligned16(a->a) || !aligned16(a->out))
         return "the kernel needs a and out 16-byte aligned";

@@ -503,7 +503,7 @@ def grouped_gemm_device(a, b, offsets, *, transa=False, transb=False, kernel=Non
                          f"{offsets.device}")
     if kernel == "sm90":
         out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
-        _C.grouped_gemm_device_ends(dense(a), b, offsets, None, None, out, stream_for(a))
+        _C.grouped_gemm_device_ends(dense(a), b, dense(offsets), None, None, out, stream_for(a))
         return out
     if transa:
         return torch._grouped_mm(dense(a).t(), dense(b), offs=offsets)
