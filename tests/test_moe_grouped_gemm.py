@@ -286,6 +286,23 @@ def test_cuda_fp8_misaligned_scales_are_realigned(seed):
         assert rel_error(out, ref) <= pair_tol(torch.bfloat16)
 
 
+@needs_fp8
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_fp8_scales_of_another_dtype_are_refused_by_name(device):
+    """Scale inverses must be float32, as one tensor or as a list (where a
+    misaligned list on CUDA is left to C, not realigned): refused with the
+    argument's name, listed ones with the group's."""
+    xq = torch.randn(32, 32).to(torch.float8_e4m3fn).to(device)
+    wq = torch.randn(2, 16, 32).to(torch.float8_e4m3fn).to(device)
+    ok = [torch.ones(1, device=device)] * 2
+    half = torch.ones(4, dtype=torch.float16, device=device)
+    with pytest.raises(TypeError, match="grouped_gemm: argument 'a_scale_inv' must have dtype float32, got float16"):
+        moe.grouped_gemm(xq, wq, [16, 16], transb=True, a_scale_inv=half[:2], b_scale_inv=ok, fast_accum=True)
+    with pytest.raises(TypeError, match="group 0 .*'a_scale_inv' must have dtype float32, got float16"):
+        moe.grouped_gemm(xq, wq, [16, 16], transb=True, a_scale_inv=[half[1:2], half[2:3]], b_scale_inv=ok,
+                         fast_accum=True)
+
+
 # ---- lanes: the groups' GEMMs on several CUDA streams ----------------------
 
 @pytest.mark.parametrize("lanes,error,match", [
