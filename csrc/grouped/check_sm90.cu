@@ -20,8 +20,11 @@
  * balanced and random splits, against the library's per-group cuBLASLt
  * route (sf_grouped_gemm, one stream and its default lanes), TFLOP/s; the
  * kernel's other tile shapes (sf_grouped_sm90_run_variant) and the
- * library's shape with the groups' ends in device memory beside it.
+ * library's shape with the groups' ends in device memory beside it; and
+ * the host time of one call of each (10 issued back to back, no waiting).
  */
+#include <chrono>
+
 #include "core/check_util.h"
 #include "core/float_bits.h"
 #include "grouped/grouped_sm90.h"
@@ -251,6 +254,22 @@ static sf_tensor view2d(void *data, sf_dtype dt, int64_t r, int64_t c, int64_t l
     return t;
 }
 
+/* Host time of one call in microseconds: 10 calls issued back to back
+ * without waiting (the GPU runs behind them, so the wall time is the host's
+ * work), after 3 warm-up calls and a synchronization. */
+template <class F> static double host_us(F fn)
+{
+    for (int i = 0; i < 3; ++i)
+        fn();
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) /* (64 experts on cuBLASLt: 640 launches, within the launch queue) */
+        fn();
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / 10;
+    CHECK_CUDA(cudaDeviceSynchronize());
+    return us;
+}
+
 static void bench(const char *name, bool fp8, int groups, const std::vector<int64_t> &splits, int64_t n, int64_t k)
 {
     Problem p{fp8, groups, splits, n, k};
@@ -301,6 +320,8 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
     CHECK_CUDA(cudaMemcpy(ends, host_ends.data(), groups * sizeof(int32_t), cudaMemcpyHostToDevice));
     dev_args.device_row_end = ends;
     const float t_dev = time_ms([&] { CHECK_SF(sf_grouped_sm90_run_variant(&dev_args, 0, NULL)); }, 5, 20);
+    const double h_kernel = host_us([&] { CHECK_SF(sf_grouped_sm90_run(&args, NULL)); });
+    const double h_dev = host_us([&] { CHECK_SF(sf_grouped_sm90_run(&dev_args, NULL)); });
     cudaFree(ends);
 
     /* the library's per-group cuBLASLt route */
@@ -319,6 +340,7 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
     sf_tensor tws = view2d(ws, SF_UINT8, ws_bytes, 1, 1);
     tws.ndim = 1;
     float t_lib[2];
+    double h_lib[2];
     for (int li = 0; li < 2; ++li) {
         sf_grouped_gemm_args ga;
         sf_grouped_gemm_args_init(&ga);
@@ -337,6 +359,7 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
             ga.fast_accum = 1;
         }
         t_lib[li] = time_ms([&] { CHECK_SF(sf_grouped_gemm(&ga, NULL)); }, 5, 20);
+        h_lib[li] = host_us([&] { CHECK_SF(sf_grouped_gemm(&ga, NULL)); });
     }
     printf("bench %-14s %s G=%2d n=%5lld k=%5lld: kernel %.3f ms %.0f TFLOP/s (ends on the device %.0f; stores "
            "from registers, 3 stages + 4 boxes, columns first: %.0f %.0f %.0f) | "
@@ -344,6 +367,8 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
            name, fp8 ? "e4m3" : "bf16", groups, (long long)n, (long long)k, t_kernel, flops / t_kernel / 1e9,
            flops / t_dev / 1e9, flops / t_var[1] / 1e9, flops / t_var[2] / 1e9, flops / t_var[3] / 1e9, t_lib[0],
            flops / t_lib[0] / 1e9, t_lib[0] / t_kernel, t_lib[1], flops / t_lib[1] / 1e9, t_lib[1] / t_kernel);
+    printf("host %-14s %s G=%2d: us a call: kernel %.1f (ends on the device %.1f) | cuBLASLt one stream %.1f | "
+           "default lanes %.1f\n", name, fp8 ? "e4m3" : "bf16", groups, h_kernel, h_dev, h_lib[0], h_lib[1]);
     cudaFree(wbuf);
     cudaFree(ws);
 }
