@@ -601,6 +601,38 @@ def test_prefetch_fp8_weights_is_the_forwards_cast(monkeypatch, seed):
 
 
 @needs_fp8
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_lean_forward_frees_the_forward_copy_and_the_backward_the_transposed(recipe, monkeypatch, seed):
+    """In training without is_first_microbatch the experts' forward FP8
+    copy is gone once the forward returned (nothing holds its storage), the
+    transposed copy lives until the backward has used it, then goes too."""
+    import gc
+    import weakref
+
+    made = []
+    real = moe_ops.cast_fp8_current_list
+
+    def spy(*args, **kwargs):
+        data, data_t, *rest = real(*args, **kwargs)
+        made.append((weakref.ref(data[0]._base), weakref.ref(data_t[0]._base)))
+        return (data, data_t, *rest)
+
+    monkeypatch.setattr(moe_ops, "cast_fp8_current_list", spy)
+    gl = GroupedLinear(3, 32, 48, bias=False, device="cpu")
+    x = torch.randn(40, 32, requires_grad=True)
+    with fp8_autocast(enabled=True, fp8_recipe=recipe):
+        y = gl(x, [20, 0, 20])
+    gc.collect()
+    assert len(made) == 1
+    forward_copy, transposed = made[0]
+    assert forward_copy() is None and transposed() is not None
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert transposed() is None and x.grad is not None
+
+
+@needs_fp8
 def test_frozen_experts_keep_their_fp8_weights_in_training(monkeypatch, seed):
     """A GroupedLinear whose weights do not learn keeps their casts through
     training forwards (the input's gradient still flows): the weights cannot
