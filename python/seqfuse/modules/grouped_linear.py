@@ -405,7 +405,10 @@ class GroupedLinear(torch.nn.Module):
     activation peak; True keeps them per weight version as inference does
     (re-cast, into the same buffers where nothing else holds them, only
     when a weight changed), trading that memory for the forward's cast
-    where the weights do not change between forwards.
+    where the weights do not change between forwards.  Several forwards
+    before their backwards (pipeline schedules, a layer called twice) each
+    keep a transposed copy of their own under False; True (or
+    is_first_microbatch) shares one.
 
     forward(inp [sum(m_splits), in_features] (or [..., in_features] whose
     rows add up), m_splits: G ints (host values; a CPU tensor is read) or
