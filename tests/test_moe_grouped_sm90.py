@@ -390,6 +390,19 @@ def test_device_ends_bad_inputs(change, error, match):
         _C.grouped_gemm_device_ends(args["x"], args["w"], args["ends"], args["sx"], args["sw"], args["out"])
 
 
+def test_device_ends_out_must_be_its_own_memory():
+    """out may not be an input (it is written while they are read) nor an
+    expanded view (elements sharing memory)."""
+    from seqfuse import _C
+
+    x, w = torch.zeros(16, 16).bfloat16(), torch.zeros(2, 16, 16).bfloat16()
+    ends = torch.tensor([8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="output 'out' shares memory with input 'a'"):
+        _C.grouped_gemm_device_ends(x, w, ends, None, None, x)
+    with pytest.raises(ValueError, match="argument 'out' is an output whose elements may overlap"):
+        _C.grouped_gemm_device_ends(x, w, ends, None, None, torch.zeros(1, 16).bfloat16().expand(16, 16))
+
+
 def test_grouped_gemm_device_kernel_argument():
     x, w = torch.zeros(16, 16).bfloat16(), torch.zeros(2, 8, 16).bfloat16()
     offs = torch.tensor([8, 16], dtype=torch.int32)

@@ -24,6 +24,7 @@
  * the host time of one call of each (10 issued back to back, no waiting).
  */
 #include <chrono>
+#include <initializer_list>
 
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -238,19 +239,11 @@ static void check_case(const Problem &p, int variant = 0, bool device_ends = fal
 
 /* ---- speed --------------------------------------------------------------- */
 
-static sf_tensor view2d(void *data, sf_dtype dt, int64_t r, int64_t c, int64_t ld)
+/* A contiguous view of device 0's memory (sf_tensor_init's). */
+static sf_tensor on_gpu(const void *data, sf_dtype dt, std::initializer_list<int64_t> shape)
 {
     sf_tensor t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.dtype = dt;
-    t.ndim = 2;
-    t.shape[0] = r;
-    t.shape[1] = c;
-    t.strides[0] = ld;
-    t.strides[1] = 1;
-    t.device = SF_CUDA;
-    t.device_id = 0;
+    sf_tensor_init(&t, (void *)data, dt, (int)shape.size(), shape.begin(), SF_CUDA, 0);
     return t;
 }
 
@@ -326,19 +319,15 @@ static void bench(const char *name, bool fp8, int groups, const std::vector<int6
 
     /* the library's per-group cuBLASLt route */
     const sf_dtype dt = fp8 ? SF_FLOAT8_E4M3 : SF_BFLOAT16;
-    sf_tensor ta = view2d(d.a, dt, rows, k, k), tout = view2d(d.out, SF_BFLOAT16, rows, n, n);
+    sf_tensor ta = on_gpu(d.a, dt, {rows, k}), tout = on_gpu(d.out, SF_BFLOAT16, {rows, n});
     std::vector<sf_tensor> tb(groups);
     for (int g = 0; g < groups; ++g)
-        tb[g] = view2d((void *)args.b[g], dt, n, k, k);
-    sf_tensor sa = view2d(d.scales, SF_FLOAT32, 1, 1, 1), sb = sa;
-    sa.ndim = sb.ndim = 1;
-    sa.shape[0] = sb.shape[0] = 1;
-    sa.strides[0] = sb.strides[0] = 1;
+        tb[g] = on_gpu(args.b[g], dt, {n, k});
+    sf_tensor sa = on_gpu(d.scales, SF_FLOAT32, {1}), sb = sa;
     void *ws;
     const int64_t ws_bytes = 32 << 20;
     CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
-    sf_tensor tws = view2d(ws, SF_UINT8, ws_bytes, 1, 1);
-    tws.ndim = 1;
+    sf_tensor tws = on_gpu(ws, SF_UINT8, {ws_bytes});
     float t_lib[2];
     double h_lib[2];
     for (int li = 0; li < 2; ++li) {

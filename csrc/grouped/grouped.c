@@ -399,7 +399,7 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     if ((*why = sf_grouped_sm90_unfit(&local)) != NULL)
         return SF_OK;
     *taken = 1;
-    return sf_grouped_sm90_run(&local, stream);
+    return sf_grouped_sm90_launch(&local, stream);
 #else
     (void)args;
     (void)stream;
@@ -616,33 +616,16 @@ static sf_status device_ends_check(const sf_tensor *a, const sf_tensor *b, const
     return SF_OK;
 }
 
-/* A 2-D CPU tensor over `data`: rows x cols of dtype, row-major. */
-static sf_tensor host_matrix(void *data, sf_dtype dtype, int64_t rows, int64_t cols)
+/* Group g's [N, K] matrix of a stacked [G, N, K] tensor. */
+static void stacked_at(const sf_tensor *b, int g, sf_tensor *v)
 {
-    sf_tensor t;
-    memset(&t, 0, sizeof t);
-    t.data = data;
-    t.dtype = dtype;
-    t.ndim = 2;
-    t.shape[0] = rows;
-    t.shape[1] = cols;
-    t.strides[0] = cols;
-    t.strides[1] = 1;
-    t.device = SF_CPU;
-    return t;
-}
-
-/* Element g of a per-group (or shared, one-element) scale vector, as a
- * one-element tensor. */
-static sf_tensor scale_of(const sf_tensor *s, int g)
-{
-    sf_tensor v = *s;
-    if (sf_numel(s) > 1)
-        v.data = (char *)s->data + (int64_t)g * s->strides[0] * (int64_t)sizeof(float);
-    v.ndim = 1;
-    v.shape[0] = 1;
-    v.strides[0] = 1;
-    return v;
+    *v = *b;
+    v->ndim = 2;
+    v->shape[0] = b->shape[1];
+    v->shape[1] = b->shape[2];
+    v->strides[0] = b->strides[1];
+    v->strides[1] = b->strides[2];
+    v->data = (char *)b->data + (int64_t)g * b->strides[0] * (int64_t)sf_dtype_size(b->dtype);
 }
 
 /* FP8 group g on the CPU at any row count and n (the kernel's): its rows
@@ -665,9 +648,12 @@ static sf_status device_ends_cpu_fp8_group(const sf_tensor *a, const sf_tensor *
         memcpy(ap + r * k, (const uint8_t *)a->data + (row0 + r) * a->strides[0], (size_t)k);
     for (int64_t r = 0; r < n; ++r)
         memcpy(bp + r * k, (const uint8_t *)b_g->data + r * b_g->strides[0], (size_t)k);
-    sf_tensor ta = host_matrix(ap, a->dtype, m16, k), tb = host_matrix(bp, b_g->dtype, n16, k);
-    sf_tensor to = host_matrix(op, SF_BFLOAT16, m16, n16);
-    sf_tensor sa = scale_of(a_scale_inv, g), sb = scale_of(b_scale_inv, g);
+    sf_tensor ta, tb, to, sa, sb;
+    sf_tensor_init(&ta, ap, a->dtype, 2, (const int64_t[]){m16, k}, SF_CPU, 0);
+    sf_tensor_init(&tb, bp, b_g->dtype, 2, (const int64_t[]){n16, k}, SF_CPU, 0);
+    sf_tensor_init(&to, op, SF_BFLOAT16, 2, (const int64_t[]){m16, n16}, SF_CPU, 0);
+    scale_at(a_scale_inv, g, &sa);
+    scale_at(b_scale_inv, g, &sb);
     int64_t split = m16;
     sf_grouped_gemm_args ga;
     sf_grouped_gemm_args_init(&ga);
@@ -701,20 +687,13 @@ static sf_status device_ends_cpu(const sf_tensor *a, const sf_tensor *b, const s
     const int G = (int)b->shape[0];
     int64_t splits[SF_GROUPED_SM90_MAX_GROUPS];
     sf_tensor b_views[SF_GROUPED_SM90_MAX_GROUPS];
-    const size_t es = sf_dtype_size(b->dtype);
     int64_t prev = 0;
     for (int g = 0; g < G; ++g) {
         int64_t end = ((const int32_t *)row_end->data)[g * row_end->strides[0]];
         end = end < prev ? prev : end > a->shape[0] ? a->shape[0] : end;
         splits[g] = end - prev;
         prev = end;
-        b_views[g] = *b;
-        b_views[g].ndim = 2;
-        b_views[g].shape[0] = b->shape[1];
-        b_views[g].shape[1] = b->shape[2];
-        b_views[g].strides[0] = b->strides[1];
-        b_views[g].strides[1] = b->strides[2];
-        b_views[g].data = (char *)b->data + (int64_t)g * b->strides[0] * (int64_t)es;
+        stacked_at(b, g, &b_views[g]);
     }
     if (a->dtype == SF_FLOAT8_E4M3) {
         int64_t row0 = 0;
@@ -746,7 +725,6 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
         return device_ends_cpu(a, b, row_end, a_scale_inv, b_scale_inv, out, stream);
 #ifdef SF_WITH_CUDA
     const int G = (int)b->shape[0];
-    const size_t es = sf_dtype_size(b->dtype);
     sf_grouped_sm90_args k;
     memset(&k, 0, sizeof k);
     k.dtype = a->dtype;
@@ -761,12 +739,15 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
     k.device_row_end = (const int32_t *)row_end->data;
     k.device_id = a->device_id;
     for (int g = 0; g < G; ++g) {
-        k.b[g] = (const char *)b->data + (int64_t)g * b->strides[0] * (int64_t)es;
-        k.ldb[g] = b->strides[1];
+        sf_tensor bg, sa, sb;
+        stacked_at(b, g, &bg);
+        k.b[g] = bg.data;
+        k.ldb[g] = bg.strides[0];
         if (a->dtype == SF_FLOAT8_E4M3) {
-            const float *sa = (const float *)a_scale_inv->data, *sb = (const float *)b_scale_inv->data;
-            k.a_scale_inv[g] = sf_numel(a_scale_inv) == 1 ? sa : sa + (int64_t)g * a_scale_inv->strides[0];
-            k.b_scale_inv[g] = sf_numel(b_scale_inv) == 1 ? sb : sb + (int64_t)g * b_scale_inv->strides[0];
+            scale_at(a_scale_inv, g, &sa);
+            scale_at(b_scale_inv, g, &sb);
+            k.a_scale_inv[g] = sa.data;
+            k.b_scale_inv[g] = sb.data;
         }
     }
     /* (no other route reads the ends on the device: refused with the rule, not run another way) */
@@ -777,7 +758,7 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
     if ((why = sf_grouped_sm90_unfit(&k)) != NULL)
         return sf_fail(SF_ERR_VALUE, "%s: the sm90 kernel, this op's only CUDA route, cannot take this call: %s",
                        DEV_OP, why);
-    return sf_grouped_sm90_run(&k, stream);
+    return sf_grouped_sm90_launch(&k, stream);
 #else
     return sf_fail(SF_ERR_NOT_IMPLEMENTED, "%s: the library was built without CUDA", DEV_OP);
 #endif

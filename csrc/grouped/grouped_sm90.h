@@ -92,6 +92,11 @@ int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtyp
  * touched. */
 sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream);
 
+/* sf_grouped_sm90_run for args that sf_grouped_sm90_unfit has just
+ * accepted (the grouped entries ask it first, to choose their route): the
+ * launch without asking again, so a call walks its groups' rules once. */
+sf_status sf_grouped_sm90_launch(const sf_grouped_sm90_args *args, sf_stream stream);
+
 #ifdef SF_WORKBENCH
 /* The check's kernel shapes (grouped_sm90_cuda.cu): 0 the library's (128 x
  * 256 tiles, 4 stages, down the rows first, TMA-stored epilogue through 2

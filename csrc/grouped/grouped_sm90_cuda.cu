@@ -568,12 +568,11 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
 
 namespace {
 
-/* Fills the launch's parameters and launches the kernel of tile shape C. */
+/* Fills the launch's parameters and launches the kernel of tile shape C
+ * (args as sf_grouped_sm90_unfit accepted them). */
 template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream)
 {
-    const char *why = sf_grouped_sm90_unfit(a);
-    if (why)
-        return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): %s", why);
+    const char *why;
     EncodeTiled fn = encode_fn(&why);
     if (!fn)
         return sf_fail(SF_ERR_NOT_IMPLEMENTED, "grouped_gemm (sm90 kernel): %s", why);
@@ -638,7 +637,20 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
 
 } // namespace
 
+/* sf_grouped_sm90_unfit's rules, as the run's error */
+static sf_status refuse_unfit(const sf_grouped_sm90_args *a)
+{
+    const char *why = sf_grouped_sm90_unfit(a);
+    return why ? sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): %s", why) : SF_OK;
+}
+
 extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_stream stream)
+{
+    SF_TRY(refuse_unfit(a));
+    return run<Library>(a, stream);
+}
+
+extern "C" sf_status sf_grouped_sm90_launch(const sf_grouped_sm90_args *a, sf_stream stream)
 {
     return run<Library>(a, stream);
 }
@@ -646,6 +658,7 @@ extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_strea
 #ifdef SF_WORKBENCH
 extern "C" sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *a, int variant, sf_stream stream)
 {
+    SF_TRY(refuse_unfit(a));
     switch (variant) {
     case 0: return run<Library>(a, stream);
     case 1: return run<Cfg<256, 4, true, 0>>(a, stream);
