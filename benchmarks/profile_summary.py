@@ -24,6 +24,7 @@ import time
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("user_annotation", "cpu_op")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+PY_CATS = ("python_function",)  # Python frames, in a profile taken with_stack
 STEP = "profile_summary.step"  # profile_steps' record_function range around each step
 
 
@@ -159,6 +160,7 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
     if not gpu:
         lines.append("no GPU kernels recorded (CPU run): GPU figures not available")
         lines += host_section(events, steps)
+        lines += children_section(events, steps)
         return "\n".join(lines) + "\n", nums
     t0 = min(e["ts"] for e in gpu)
     t1 = max(e["ts"] + e["dur"] for e in gpu)
@@ -226,6 +228,7 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
         short = name if len(name) <= 110 else name[:107] + "..."
         lines.append(f"{d / 1e3 / per:8.2f} {n / per:10.1f} {d / n:8.1f} {100 * d / max(total, 1e-9):5.1f}  {short}")
     lines += host_section(events, steps)
+    lines += children_section(events, steps)
     lines += runtime_section(events, steps)
     return "\n".join(lines) + "\n", nums
 
@@ -324,16 +327,102 @@ def host_section(events, steps, top=15):
     return out
 
 
-def profile_steps(step, batches, sync, path, title, cuda=True, top=25):
+_WRAPPER = "autograd::engine::evaluate_function: "
+
+
+def parents(events):
+    """{index of event: index of its innermost enclosing event} for the
+    host ranges, Python frames and runtime calls of ``events`` (nesting per
+    thread: a range encloses another on the same pid and tid whose interval
+    it contains)."""
+    cats = HOST_CATS + RUNTIME_CATS + PY_CATS
+    idx = [i for i, e in enumerate(events) if e.get("ph") == "X" and e.get("cat") in cats and "dur" in e]
+    by_thread = {}
+    for i in idx:
+        e = events[i]
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(i)
+    out = {}
+    for items in by_thread.values():
+        items.sort(key=lambda i: (events[i]["ts"], -events[i]["dur"]))
+        stack = []
+        for i in items:
+            e = events[i]
+            while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] < e["ts"] + e["dur"]:
+                stack.pop()
+            if stack:
+                out[i] = stack[-1]
+            stack.append(i)
+    return out
+
+
+def children_section(events, steps, ranges=3, depth=6, share=0.02):
+    """Where the heaviest host ranges spend their time: for each of the
+    ``ranges`` cpu_op ranges with the most inclusive time per step (the
+    autograd engine's evaluate_function wrappers left out: their one child
+    is the range itself), the tree of what runs inside it (torch ops, CUDA
+    runtime calls and, in a profile taken with Python stacks, Python
+    frames) to ``depth`` levels, each node's inclusive time per call of the
+    range, nodes under ``share`` of the range's time left out; 'own' is the
+    range's time in no child (Python without stacks, C code that calls no
+    torch op)."""
+    par = parents(events)
+    ops = [i for i, e in enumerate(events) if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "dur" in e
+           and not e["name"].startswith(_WRAPPER)]
+    if not ops:
+        return []
+    incl = {}
+    for i in ops:
+        k = incl.setdefault(events[i]["name"], [0, 0.0])
+        k[0] += 1
+        k[1] += events[i]["dur"]
+    heavy = [n for n, _ in sorted(incl.items(), key=lambda x: -x[1][1])[:ranges]]
+    per = max(1, steps)
+    out = ["", f"== inside the {len(heavy)} heaviest host ranges: what runs in them, by inclusive time "
+               "(ms per call of the range, calls per call; 'own' = time in no child) =="]
+    for name in heavy:
+        n, total = incl[name]
+        tree = {}
+        for i in par:
+            path, j = [], i
+            while j in par and len(path) <= depth:
+                path.append(events[j]["name"])
+                j = par[j]
+                if events[j].get("cat") == "cpu_op" and events[j]["name"] == name:
+                    break
+            else:
+                continue
+            if len(path) > depth:
+                continue
+            k = tree.setdefault(tuple(reversed(path)), [0, 0.0])
+            k[0] += 1
+            k[1] += events[i]["dur"]
+        own = total - sum(v[1] for p, v in tree.items() if len(p) == 1)
+        out.append(f"{name}: {n / per:.1f} calls/step, {total / n / 1e3:.3f} ms a call, own {own / n / 1e3:.3f} ms")
+
+        def walk(prefix):
+            kids = [(p, v) for p, v in tree.items() if len(p) == len(prefix) + 1 and p[:len(prefix)] == prefix]
+            for p, (kn, kd) in sorted(kids, key=lambda x: -x[1][1]):
+                if kd < share * total:
+                    continue
+                short = p[-1] if len(p[-1]) <= 90 else p[-1][:87] + "..."
+                out.append(f"  {'  ' * len(prefix)}{kd / n / 1e3:8.3f} ms {kn / n:6.1f}x  {short}")
+                walk(p)
+        walk(())
+    return out
+
+
+def profile_steps(step, batches, sync, path, title, cuda=True, top=25, stacks=False):
     """Run ``step(b)`` for each batch under torch.profiler; write the summary
     to ``path`` and return its numbers.  The trace lives in a temporary
-    directory only."""
+    directory only.  ``stacks``: record Python frames too (their times go
+    into children_section's trees; the profiler's own cost per frame makes
+    the host times larger than an unprofiled step's)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     host_ms, cpu_ms = [], []
     sync()
-    with profile(activities=acts, record_shapes=False, with_stack=False, profile_memory=False) as prof:
+    with profile(activities=acts, record_shapes=False, with_stack=stacks, profile_memory=False) as prof:
         for b in batches:
             t0, c0 = time.perf_counter(), time.thread_time()
             with record_function(STEP):
@@ -353,7 +442,7 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25):
     return nums
 
 
-def profile_row(step, batches, device, stem, title, top=40):
+def profile_row(step, batches, device, stem, title, top=40, stacks=False):
     """What a bench's ``--profile`` writes for one row: profile_steps over
     ``batches`` into ``<stem>_profile.txt`` and, on the GPU, sync_points of
     ``step(batches[0])`` into ``<stem>_syncs.txt``.  Returns (the profile's
@@ -362,6 +451,6 @@ def profile_row(step, batches, device, stem, title, top=40):
 
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    nums = profile_steps(step, batches, sync, f"{stem}_profile.txt", title, cuda=cuda, top=top)
+    nums = profile_steps(step, batches, sync, f"{stem}_profile.txt", title, cuda=cuda, top=top, stacks=stacks)
     syncs = sync_points(lambda: step(batches[0]), f"{stem}_syncs.txt", title) if cuda else None
     return nums, syncs

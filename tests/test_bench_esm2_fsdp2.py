@@ -199,3 +199,23 @@ def test_profile_row_writes_the_profile_and_no_syncs_off_the_gpu(tmp_path):
     assert calls == [1, 2] and syncs is None and nums["steps"] == 2
     assert (tmp_path / "row_profile.txt").read_text().startswith("# t")
     assert not (tmp_path / "row_syncs.txt").exists()
+
+
+def test_profile_summary_splits_the_heaviest_range_into_its_children():
+    def op(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+    ev = [_k("a", 0, 10, 7),
+          op("autograd::engine::evaluate_function: FnBackward", 0, 1000), op("FnBackward", 1, 998),
+          op("aten::empty", 10, 100), op("aten::mm", 200, 300), op("cudaLaunchKernel", 250, 20, "cuda_runtime"),
+          op("cudaMemsetAsync", 600, 50, "cuda_runtime"),
+          op("FnBackward", 2000, 500, tid=2), op("aten::mm", 2100, 100, tid=2),
+          op("aten::mm", 5000, 40)]  # (not inside any FnBackward)
+    par = profile_summary.parents(ev)
+    assert par[2] == 1 and par[3] == 2 and par[5] == 4 and par[6] == 2 and par[8] == 7 and 9 not in par
+    text, _ = profile_summary.summarize(ev, 1)
+    part = text.split("heaviest host ranges")[1].splitlines()
+    assert part[1].startswith("FnBackward: 2.0 calls/step, 0.749 ms a call, own 0.474 ms")
+    assert part[2].split() == ["0.200", "ms", "1.0x", "aten::mm"]
+    assert part[3].split() == ["0.050", "ms", "0.5x", "aten::empty"]
+    assert part[4].split() == ["0.025", "ms", "0.5x", "cudaMemsetAsync"]
+    assert "evaluate_function" not in "\n".join(part)

@@ -119,6 +119,7 @@ import torch  # noqa: E402
 from harness import RESULTS, Table, plot_bars  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
+from seqfuse import _C  # noqa: E402
 
 ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
@@ -248,10 +249,11 @@ def add_ratios(done):
 
 
 def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2, warm_passes=1,
-            timed_passes=1):
-    """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, peak GiB)
-    of row ``name``: ``warm_passes`` untimed passes over ``batches``, then ``timed_passes`` timed ones, the
-    training going on through all of them."""
+            timed_passes=1, profile_stacks=False):
+    """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, peak GiB,
+    cuBLASLt heuristic queries a timed step) of row ``name``: ``warm_passes`` untimed passes over ``batches``,
+    then ``timed_passes`` timed ones, the training going on through all of them.  A heuristic query (a plan
+    seqfuse's GEMM cache did not hold) costs host time and can wait for the GPU's queued work."""
     model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
 
@@ -270,6 +272,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     for b in batches[1:] + batches * (warm_passes - 1):  # the rest of the untimed warm passes
         step(b)
     passes = []
+    queries = _C.gemm_heuristic_queries()
     for _ in range(timed_passes):
         sync()
         t0 = time.perf_counter()
@@ -277,18 +280,19 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
         sync()
         passes.append(time.perf_counter() - t0)
     seconds = statistics.median_high(passes)  # (a pass's own time; of an even count the slower middle one)
+    queries = (_C.gemm_heuristic_queries() - queries) / (timed_passes * len(batches))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
     final = float(losses[-1])
     if profile:
         from profile_summary import profile_row
 
         _, syncs = profile_row(step, batches[:profile_steps], device, os.path.join(profile, name),
-                               f"{name}: Mixtral training step")
+                               f"{name}: Mixtral training step", stacks=profile_stacks)
         log(f"{name}: profile in {os.path.join(profile, name)}_profile.txt; synchronizing CUDA calls in one "
             f"step: {syncs}")
     del model, opt
     release(device)
-    return seconds, passes, first, final, peak
+    return seconds, passes, first, final, peak, queries
 
 
 def release(device):
@@ -320,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after each row's timed passes, profile --profile-steps more steps into DIR/<row>_profile.txt")
     ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--profile-stacks", action="store_true",
+                    help="the profile records Python frames: the heaviest host ranges are split down to them "
+                         "(the frames' recording inflates the profiled host times)")
     ap.add_argument("--timed-passes", type=int, default=5,
                     help="timed passes over the batches, each timed alone; a row's rate is the median pass's, and "
                          "the JSON keeps every pass's (s46's host-bound FP8 rows moved 10-20 %% between runs of "
@@ -359,9 +366,9 @@ def main(argv=None):
     for name in rows:
         start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
         try:
-            seconds, passes, first, final, peak = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
+            seconds, passes, first, final, peak, queries = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
                                                           args.profile, args.profile_steps, args.warm_passes,
-                                                          args.timed_passes)
+                                                          args.timed_passes, args.profile_stacks)
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -370,8 +377,9 @@ def main(argv=None):
         done[name] = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
                           first_loss=first, final_loss=final,
-                          pass_tokens_per_s=[round(real / s) for s in passes])
-        log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before)")
+                          pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries)
+        log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before), "
+            f"{queries:.2f} cuBLASLt heuristic queries a timed step")
     add_ratios(done)
     for r in done.values():
         table.add(**r)
