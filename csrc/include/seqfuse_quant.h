@@ -125,6 +125,22 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
                                      sf_tensor *out_t, sf_tensor *scale_inv, int current, int margin,
                                      sf_stream stream);
 
+/* The delayed-scaling grouped cast with the groups' ends on the device (a
+ * mixture-of-experts layer whose routing counts never reach the host):
+ * x [M, K] (or, swiglu = 1, [M, 2K] gate|up pairs and probs [M] or NULL,
+ * the value cast being sf_swiglu_cast_fp8_grouped's), row_end int32 [G]
+ * (1 <= G <= 64; group g is rows [end_{g-1}, end_g) with each end clamped
+ * to [the previous end, M], read by the kernel itself).  Each row of a
+ * group is cast with scale[g] into the same row of out [M, K] (no padding;
+ * rows past the last end are written as zeros); max |x_g| is folded into
+ * amax[g] when amax is given, and scale_inv[g] = 1 / scale[g] for every
+ * group.  scale, amax, scale_inv: float32 vectors of G elements, any
+ * element stride.  Each group's rows are bit for bit those of
+ * sf_cast_fp8_grouped (sf_swiglu_cast_fp8_grouped) of that group. */
+sf_status sf_cast_fp8_grouped_ends(const sf_tensor *x, const sf_tensor *probs, int swiglu, const sf_tensor *row_end,
+                                   sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *scale_inv,
+                                   sf_stream stream);
+
 /* Current scaling of each of n tensors (a grouped layer's weights) in one
  * call: x[g] [N_g, K] (contiguous, one dtype, K and every N_g multiples of
  * 16, 16-byte aligned on CUDA) is cast with its own amax into out[g]

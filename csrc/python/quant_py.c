@@ -25,6 +25,11 @@ SF_PY_OP(swiglu_cast_fp8_grouped, sf_swiglu_cast_fp8_grouped,
          "SwiGLU's output), computed in the same pass and never written in x's dtype.",
          (T, x), (OT, probs), (T, m_splits), (INT, row_multiple), (T, scale), (OT, amax), (OT, out),
          (OT, out_t), (T, scale_inv), (INT, current), (INT, margin));
+SF_PY_OP(cast_fp8_grouped_ends, sf_cast_fp8_grouped_ends,
+         "The delayed-scaling grouped cast with the groups' end rows in an int32 tensor on the device: "
+         "each row of x cast in place with its group's scale[g] (swiglu=1: of the SwiGLU of its gate|up "
+         "pair times probs).",
+         (T, x), (OT, probs), (INT, swiglu), (T, row_end), (T, scale), (OT, amax), (T, out), (T, scale_inv));
 SF_PY_OP(cast_fp8_current_list, sf_cast_fp8_current_list,
          "Current scaling of each tensor of a list (a grouped layer's weights) in one call.",
          (TL, xs), (OTL, out), (OTL, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
@@ -99,6 +104,7 @@ SF_PY_BINDING(quantize_block_fp8_rowcol, rowcol_args, rowcol,
 const sf_py_binding *const sf_py_quant_bindings[] = {
     &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding, &column_sums_binding,
     &cast_fp8_current_binding, &cast_fp8_grouped_binding, &swiglu_cast_fp8_grouped_binding,
+    &cast_fp8_grouped_ends_binding,
     &cast_fp8_current_list_binding,
     &transpose_fp8_binding,  &dequantize_fp8_binding,
     &fp8_scale_update_binding, &fp8_compute_scale_binding, &quantize_block_fp8_binding,

@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../core/dispatch.h"
 #include "cast_backend.h"
@@ -265,12 +266,11 @@ static sf_status check_grouped_out(const char *op, const char *arg, const sf_ten
     return SF_OK;
 }
 
-/* What both grouped entries share once their groups are laid out in `a`:
- * the scaling vectors' checks, the FP8 format and the dispatch. */
-static sf_status grouped_run(const char *op, const char *ref_arg, const sf_tensor *ref,
-                             sf_cast_grouped_args *a, sf_tensor *scale, sf_tensor *amax,
-                             sf_tensor *scale_inv, sf_dtype fp8, int current, int margin,
-                             sf_stream stream)
+/* What the grouped entries share once their groups are laid out in `a`:
+ * the scaling vectors' checks and their fields of `a`, the FP8 format. */
+static sf_status grouped_scaling(const char *op, const char *ref_arg, const sf_tensor *ref,
+                                 sf_cast_grouped_args *a, sf_tensor *scale, sf_tensor *amax,
+                                 sf_tensor *scale_inv, sf_dtype fp8, int current, int margin)
 {
     const int64_t G = a->groups;
     SF_TRY(check_strided_vector(op, "scale", scale, G, ref_arg, ref, current));
@@ -299,6 +299,16 @@ static sf_status grouped_run(const char *op, const char *ref_arg, const sf_tenso
     a->current = current != 0;
     a->fp8_max = a->e5m2 ? 57344.0f : 448.0f;
     a->pow2_neg_margin = pow2_neg_margin;
+    return SF_OK;
+}
+
+/* grouped_scaling, then the host-count grouped cast on ref's device. */
+static sf_status grouped_run(const char *op, const char *ref_arg, const sf_tensor *ref,
+                             sf_cast_grouped_args *a, sf_tensor *scale, sf_tensor *amax,
+                             sf_tensor *scale_inv, sf_dtype fp8, int current, int margin,
+                             sf_stream stream)
+{
+    SF_TRY(grouped_scaling(op, ref_arg, ref, a, scale, amax, scale_inv, fp8, current, margin));
     return SF_DISPATCH(op, ref_arg, ref, sf_cast_fp8_grouped_cpu(a),
                        sf_cast_fp8_grouped_cuda(a, ref->device_id, stream));
 }
@@ -443,6 +453,104 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
 {
     return cast_grouped_rows("swiglu_cast_fp8_grouped", x, 1, probs, m_splits, row_multiple, scale, amax,
                              out, out_t, scale_inv, current, margin, stream);
+}
+
+/* ---- the groups' ends on the device (sf_cast_fp8_grouped_ends) ----------
+ *
+ * The delayed-scaling grouped cast for a mixture-of-experts layer whose
+ * routing counts stay on the GPU (the device-split route): each row is cast
+ * with its group's scale in place (no padding: out has x's rows), the
+ * groups given by their end rows in an int32 device tensor that the kernel
+ * reads itself, so nothing waits on the host.  On the CPU the ends are read
+ * here and each group goes through the host-count grouped cast's reference
+ * (sf_cast_fp8_grouped_cpu with no padding rows). */
+
+static sf_status cast_ends_cpu(const sf_tensor *x, int swiglu, const sf_tensor *probs, const sf_tensor *row_end,
+                               sf_tensor *out, sf_cast_grouped_args *a)
+{
+    const int64_t G = a->groups, k = a->k, m = out->shape[0];
+    void *block = NULL;
+    grouped_layout l;
+    SF_TRY(layout_alloc("cast_fp8_grouped_ends", G, &l, &block));
+    const size_t esize = sf_dtype_size(x->dtype), row = (size_t)(swiglu ? 2 * k : k);
+    const size_t psize = probs ? sf_dtype_size(probs->dtype) : 0;
+    int64_t r = 0;
+    for (int64_t g = 0; g < G; ++g) {
+        /* the end as the kernel reads it: clamped to [the previous end, m] */
+        int64_t end = ((const int32_t *)row_end->data)[g * row_end->strides[0]];
+        end = end < r ? r : end > m ? m : end;
+        l.m[g] = l.mp[g] = end - r;
+        l.ld_t[g] = 0; /* (no transposed copy) */
+        l.x[g] = (const char *)x->data + (size_t)r * row * esize;
+        l.probs[g] = probs ? (const char *)probs->data + (size_t)r * psize : NULL;
+        l.out[g] = (uint8_t *)out->data + r * k;
+        r = end;
+    }
+    a->x = l.x;
+    a->out = l.out;
+    a->out_t = NULL;
+    a->m = l.m;
+    a->mp = l.mp;
+    a->ld_t = l.ld_t;
+    a->probs = probs ? l.probs : NULL;
+    sf_status st = sf_cast_fp8_grouped_cpu(a);
+    if (st == SF_OK && r < m) /* rows past the last end: zeros */
+        memset((uint8_t *)out->data + r * k, 0, (size_t)((m - r) * k));
+    free(block);
+    return st;
+}
+
+sf_status sf_cast_fp8_grouped_ends(const sf_tensor *x, const sf_tensor *probs, int swiglu, const sf_tensor *row_end,
+                                   sf_tensor *scale, sf_tensor *amax, sf_tensor *out, sf_tensor *scale_inv,
+                                   sf_stream stream)
+{
+    static const char op[] = "cast_fp8_grouped_ends";
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_check_contiguous(op, "x", x));
+    if (x->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, %s] (the tokens in group order), got "
+                       "%d dimensions", op, swiglu ? "2K" : "K", x->ndim);
+    if (swiglu && x->shape[1] % 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have an even last dimension (gate and up halves) "
+                       "with swiglu=1, got %lld", op, (long long)x->shape[1]);
+    const int64_t m = x->shape[0], k = swiglu ? x->shape[1] / 2 : x->shape[1];
+    if (k % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (%s) a multiple of 16 (the FP8 GEMMs' "
+                       "rule), got %lld", op, swiglu ? "half its last dimension" : "its last dimension",
+                       (long long)k);
+    if (x->device != SF_CPU && (uintptr_t)x->data % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
+    if (probs && !swiglu)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' (the SwiGLU's row scales) goes with swiglu=1", op);
+    if (probs) {
+        SF_TRY(sf_check_float_input(op, "probs", probs));
+        SF_TRY(sf_check_same_device(op, "x", x, "probs", probs));
+        if (probs->ndim != 1 || probs->shape[0] != m || !sf_is_contiguous(probs))
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be a contiguous 1-D tensor of one entry per "
+                           "row of x (%lld)", op, (long long)m);
+    }
+    SF_TRY(sf_check_dtype(op, "row_end", row_end, SF_INT32));
+    SF_TRY(sf_check_same_device(op, "x", x, "row_end", row_end));
+    if (row_end->ndim != 1 || row_end->shape[0] < 1 || row_end->shape[0] > SF_CAST_ENDS_MAX_GROUPS ||
+        !sf_is_contiguous(row_end))
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'row_end' must be a contiguous 1-D int32 tensor of 1 to %d "
+                       "group end rows", op, SF_CAST_ENDS_MAX_GROUPS);
+    const int64_t G = row_end->shape[0];
+    SF_TRY(check_grouped_out(op, "out", out, m, k, "x", x, "x's rows, each cast in place"));
+    {
+        const sf_mem_arg outs[] = {{"out", out, NULL}};
+        const sf_mem_arg ins[] = {{"x", x, NULL}, {"probs", probs, NULL}, {"row_end", row_end, NULL},
+                                  {"scale", scale, NULL}, {"amax", amax, NULL}, {"scale_inv", scale_inv, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 1, ins, 6));
+    }
+    sf_cast_grouped_args a = {.x_dtype = x->dtype, .k = k, .groups = G, .swiglu = swiglu,
+                              .probs_dtype = probs ? probs->dtype : SF_FLOAT32};
+    SF_TRY(grouped_scaling(op, "x", x, &a, scale, amax, scale_inv, out->dtype, 0, 0));
+    if (x->device == SF_CPU)
+        return cast_ends_cpu(x, swiglu, probs, row_end, out, &a);
+    sf_cast_ends_args e = {.grouped = &a, .x = x->data, .probs = probs ? probs->data : NULL,
+                           .row_end = (const int32_t *)row_end->data, .out = (uint8_t *)out->data, .m = m};
+    return SF_IF_CUDA(op, "x", sf_cast_fp8_grouped_ends_cuda(&e, x->device_id, stream));
 }
 
 sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out, sf_tensor *out,

@@ -102,6 +102,24 @@ typedef struct {
 sf_status sf_cast_fp8_grouped_cpu(const sf_cast_grouped_args *a);
 sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int device, sf_stream stream);
 
+/* The most groups sf_cast_fp8_grouped_ends takes (its kernel keeps the
+ * groups' ends, scales and amaxes in shared memory). */
+#define SF_CAST_ENDS_MAX_GROUPS 64
+
+/* sf_cast_fp8_grouped_ends after validation: `grouped` holds the dtypes,
+ * k, the group count, swiglu / probs_dtype and the scaling vectors (its
+ * per-group arrays unused); x [m, k] (or [m, 2k] gate|up pairs) and probs
+ * [m] (or NULL) whole, row_end int32 [groups] on the device, out [m, k]. */
+typedef struct {
+    const sf_cast_grouped_args *grouped;
+    const void *x, *probs;
+    const int32_t *row_end;
+    uint8_t *out;
+    int64_t m;
+} sf_cast_ends_args;
+
+sf_status sf_cast_fp8_grouped_ends_cuda(const sf_cast_ends_args *a, int device, sf_stream stream);
+
 /* A byte transpose: in [m, k] -> out [k, m], both contiguous. */
 typedef struct {
     const uint8_t *in;

@@ -859,6 +859,142 @@ extern "C" sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int
     return st;
 }
 
+namespace {
+
+/* sf_cast_fp8_grouped_ends's kernel: CTA b casts rows b * kEndsRows ..
+ * in place, every thread taking 8 columns of a row at a time (rows in
+ * order, so a thread's group changes at most a few times).  The groups'
+ * ends (clamped as the grouped GEMM clamps them), scales and amaxes sit in
+ * shared memory; a row's group is found by binary search over the ends;
+ * each thread keeps the max |x| of its current group and folds it into the
+ * group's shared amax when its group changes, and the CTA folds the shared
+ * amaxes into the global ones with one atomic per group it touched.  Rows
+ * past the last end are written as zeros.  CTA 0 writes every group's
+ * scale inverse. */
+constexpr int kEndsRows = 16;
+
+struct EndsCast {
+    const void *x, *probs;
+    sf_dtype probs_dtype;
+    uint8_t *out;
+    int64_t m, k;
+    const int32_t *row_end;
+    int groups;
+    float *scale, *amax, *scale_inv;
+    int64_t scale_stride, amax_stride, scale_inv_stride;
+};
+
+template <typename T, bool E5M2, bool SWIGLU>
+__global__ void __launch_bounds__(kThreads) grouped_ends_cast_kernel(EndsCast a)
+{
+    __shared__ int64_t ends[SF_CAST_ENDS_MAX_GROUPS];
+    __shared__ float scales[SF_CAST_ENDS_MAX_GROUPS];
+    __shared__ unsigned maxes[SF_CAST_ENDS_MAX_GROUPS];
+    const int t = threadIdx.x, G = a.groups;
+    for (int g = t; g < G; g += kThreads) {
+        scales[g] = a.scale[g * a.scale_stride];
+        maxes[g] = 0u;
+        if (blockIdx.x == 0)
+            a.scale_inv[g * a.scale_inv_stride] = __fdiv_rn(1.0f, scales[g]);
+    }
+    if (t == 0) {
+        int64_t prev = 0;
+        for (int g = 0; g < G; ++g) {
+            int64_t e = __ldg(a.row_end + g);
+            e = e < prev ? prev : e > a.m ? a.m : e;
+            ends[g] = prev = e;
+        }
+    }
+    __syncthreads();
+    const int64_t vecs = a.k / 8, r0 = (int64_t)blockIdx.x * kEndsRows;
+    const T *x = static_cast<const T *>(a.x);
+    int cur = -1;
+    uint32_t cur_max = 0;
+    for (int64_t i = t; i < kEndsRows * vecs; i += kThreads) {
+        const int64_t r = r0 + i / vecs, c = (i % vecs) * 8;
+        if (r >= a.m)
+            break;
+        uint2 w = make_uint2(0u, 0u);
+        if (r < ends[G - 1]) {
+            int lo = 0, hi = G - 1; /* the first group whose end is past r */
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (ends[mid] > r)
+                    hi = mid;
+                else
+                    lo = mid + 1;
+            }
+            if (lo != cur) {
+                if (cur >= 0 && cur_max)
+                    atomicMax(&maxes[cur], cur_max);
+                cur = lo;
+                cur_max = 0;
+            }
+            float v[8], s[8];
+            if constexpr (SWIGLU) {
+                float up[8];
+                sf_load8(x + r * 2 * a.k + c, v);
+                sf_load8(x + r * 2 * a.k + a.k + c, up);
+                const float p = a.probs ? sf_moe_ld(a.probs, a.probs_dtype, r) : 1.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    v[e] = swiglu_value<T>(v[e], up[e], p);
+            } else {
+                sf_load8(x + r * a.k + c, v);
+            }
+            const float scale = scales[lo];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                cur_max = max(cur_max, sf_abs_bits(v[e]));
+                s[e] = __fmul_rn(v[e], scale);
+            }
+            w.x = sf_cvt4<E5M2>(s);
+            w.y = sf_cvt4<E5M2>(s + 4);
+        }
+        *reinterpret_cast<uint2 *>(a.out + r * a.k + c) = w;
+    }
+    if (cur >= 0 && cur_max)
+        atomicMax(&maxes[cur], cur_max);
+    __syncthreads();
+    if (a.amax)
+        for (int g = t; g < G; g += kThreads)
+            if (maxes[g])
+                atomicMax(reinterpret_cast<unsigned *>(a.amax + g * a.amax_stride), maxes[g]);
+}
+
+} // namespace
+
+extern "C" sf_status sf_cast_fp8_grouped_ends_cuda(const sf_cast_ends_args *e, int device, sf_stream s)
+{
+    const sf_cast_grouped_args *g = e->grouped;
+    const char *op = "cast_fp8_grouped_ends";
+    const int64_t blocks = (e->m + kEndsRows - 1) / kEndsRows;
+    if (blocks > INT_MAX)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many rows (%lld)", op, (long long)e->m);
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, device, &guard));
+    const EndsCast a = {e->x,       e->probs, g->probs_dtype, e->out,         e->m,
+                        g->k,       e->row_end, (int)g->groups, g->scale,     g->amax,
+                        g->scale_inv, g->scale_stride, g->amax_stride, g->scale_inv_stride};
+    const int grid = blocks > 0 ? (int)blocks : 1; /* (CTA 0 writes the scale inverses even with no rows) */
+    sf_status st = sf_visit_float(op, "x", g->x_dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        if (g->swiglu && g->e5m2)
+            grouped_ends_cast_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(a);
+        else if (g->swiglu)
+            grouped_ends_cast_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(a);
+        else if (g->e5m2)
+            grouped_ends_cast_kernel<T, true, false><<<grid, kThreads, 0, stream>>>(a);
+        else
+            grouped_ends_cast_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(a);
+        return SF_OK;
+    });
+    st = sf_cuda_launch_status(op, st);
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
 extern "C" sf_status sf_transpose_fp8_cuda(const sf_transpose_args *a, int device, sf_stream s)
 {
     static const char op[] = "transpose_fp8";
