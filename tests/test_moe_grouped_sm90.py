@@ -5,9 +5,12 @@ variable are checked, and kernel="sm90" refuses a call it cannot take with
 the rule.  On a Hopper GPU: the kernel against the CPU reference and the
 cuBLASLt route at row counts on and off the 128-row tile, empty groups, k
 with a partial block, n off the 256-column tile, bf16 and e4m3 with
-per-group scales; outputs poisoned, padding columns of out left alone; a
-side stream, a CUDA graph, the caller's earlier work; auto choosing it and
-naming why not when it does not (logger "seqfuse")."""
+per-group scales; FP8 with fast_accum=False (the promoted 128 x 128 shape),
+e4m3 x e4m3 and the HYBRID input gradient's e5m2 x e4m3, against cuBLASLt's
+fast_accum=False and over a long k of positive operands, where fast
+accumulation loses bits; outputs poisoned, padding columns of out left
+alone; a side stream, a CUDA graph, the caller's earlier work; auto choosing
+it and naming why not when it does not (logger "seqfuse")."""
 import logging
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 
 from seqfuse.ops import moe
 
-from helpers import needs_fp8, pair_tol, poisoned_like, rel_error
+from helpers import needs_fp8, pair_tol, poisoned_like, rel_error, rel_tol, torch_bound
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the sm90 grouped kernel runs on compute capability 9.0")
@@ -137,6 +140,132 @@ def test_cuda_sm90_fp8_matches_cpu_with_per_group_scales(splits, k, n, seed):
     assert rel_error(out1, ref1) <= pair_tol(torch.bfloat16) / 2
 
 
+FP8_SHAPES = {  # splits (multiples of 16: sf_gemm's FP8 rule, which every group is held to), k, n
+    "ragged": ([0, 208, 64], 48, 272),
+    "eight": ([16, 304, 128, 0, 16, 256, 640, 32], 160, 1024),
+    "long_k": ([704, 304], 1024, 80),
+}
+
+
+def _fp8_operands(splits, k, n, a_dtype, positive=False):
+    """a [rows, k] in a_dtype and w [G, n, k] in e4m3 (b of the forward form:
+    the input gradient's transposed weights), with per-group scale inverses;
+    positive: uniform in [0.5, 3.5], else normal."""
+    G = len(splits)
+    draw = (lambda *shape: torch.rand(*shape) * 3 + 0.5) if positive else torch.randn
+    xq = draw(sum(splits), k).to(a_dtype)
+    wq = draw(G, n, k).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(G) + 0.5, torch.rand(G) + 0.5
+    ends = torch.tensor(splits).cumsum(0).tolist()
+    bounds = list(zip([0] + ends[:-1], ends))
+    ref = torch.cat([(xq[lo:hi].double() @ wq[g].double().T) * sx[g].item() * sw[g].item()
+                     for g, (lo, hi) in enumerate(bounds)])
+    return xq.cuda(), wq.cuda(), sx.cuda(), sw.cuda(), ref
+
+
+def _fp8_call(xq, wq, splits, sx, sw, fast_accum, kernel, out=None):
+    return moe.grouped_gemm(xq, wq, splits, transb=True, a_scale_inv=sx, b_scale_inv=sw, fast_accum=fast_accum,
+                            out=out, kernel=kernel)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@needs_fp8
+@pytest.mark.parametrize("a_dtype", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["e5m2", "e4m3"])
+@pytest.mark.parametrize("shape", sorted(FP8_SHAPES))
+def test_cuda_sm90_fp8_split_accumulation_matches_cpu_and_cublaslt(a_dtype, shape, seed):
+    """fast_accum=False (the input gradient's: under HYBRID the output
+    gradient in e5m2 times the transposed e4m3 weights) runs the kernel's
+    promoted shape: against the float64 product it holds the rule of twice
+    cuBLASLt's fast_accum=False error (at least a quarter of bf16's REL_TOL,
+    its output rounding's order), and the two routes agree within half the
+    bf16 pair bound; the poisoned output is written everywhere."""
+    splits, k, n = FP8_SHAPES[shape]
+    xq, wq, sx, sw, ref = _fp8_operands(splits, k, n, a_dtype)
+    out = poisoned_like(torch.empty(sum(splits), n, dtype=torch.bfloat16, device="cuda"))
+    _fp8_call(xq, wq, splits, sx, sw, False, "sm90", out=out)
+    lt = _fp8_call(xq, wq, splits, sx, sw, False, "cublaslt")
+    assert rel_error(out, ref) <= torch_bound(rel_error(lt, ref), floor=rel_tol(torch.bfloat16) / 4)
+    assert rel_error(out, lt) <= pair_tol(torch.bfloat16) / 2
+    # one scale shared by every group (per-tensor scaling)
+    out1 = poisoned_like(out)
+    _fp8_call(xq, wq, splits, sx[:1], sw[:1], False, "sm90", out=out1)
+    assert rel_error(out1, _fp8_call(xq, wq, splits, sx[:1], sw[:1], False, "cublaslt")) <= pair_tol(torch.bfloat16) / 2
+
+
+@pytest.mark.cuda
+@needs_hopper
+@needs_fp8
+@pytest.mark.parametrize("a_dtype", [torch.float8_e5m2, torch.float8_e4m3fn], ids=["e5m2", "e4m3"])
+def test_cuda_sm90_split_accumulation_keeps_a_long_positive_sum(a_dtype, seed):
+    """Positive operands over k = 7,168 (Mixtral-small fc1's input
+    gradient): the running sum grows with k, and Hopper's FP8 accumulator
+    (about 13 mantissa bits) drops the low bits of what is added to it when
+    it accumulates all of k (fast_accum=True).  The promoted kernel keeps
+    to bf16 output rounding's error: at most half bf16's REL_TOL (rounding
+    alone is about 2^-9 rms), twice cuBLASLt's fast_accum=False error, and
+    no more than the fast kernel's on the same operands (5 % for the
+    sampling of 60,000 outputs)."""
+    splits, k, n = [160, 0, 64], 7168, 264
+    xq, wq, sx, sw, ref = _fp8_operands(splits, k, n, a_dtype, positive=True)
+    split = _fp8_call(xq, wq, splits, sx, sw, False, "sm90")
+    fast = _fp8_call(xq, wq, splits, sx, sw, True, "sm90")
+    lt = _fp8_call(xq, wq, splits, sx, sw, False, "cublaslt")
+    err = rel_error(split, ref)
+    assert err <= rel_tol(torch.bfloat16) / 2
+    assert err <= torch_bound(rel_error(lt, ref), floor=rel_tol(torch.bfloat16) / 4)
+    assert err <= 1.05 * rel_error(fast, ref)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@needs_fp8
+def test_cuda_auto_takes_sm90_for_the_hybrid_input_gradient(caplog, monkeypatch, seed):
+    """The FP8 backward's input-gradient product under HYBRID at Mixtral-
+    small's fc1 shape (8 experts, uneven counts, n = 1,024, k = 7,168):
+    auto takes the kernel (no cuBLASLt plan asked for, nothing noted) and
+    holds twice cuBLASLt's fast_accum=False error against the float64
+    product (computed on the GPU)."""
+    import importlib
+
+    from seqfuse.common import notes
+
+    monkeypatch.setattr(notes, "_noted", set())
+    monkeypatch.delenv("SEQFUSE_GROUPED_KERNEL", raising=False)
+    gemm_mod = importlib.import_module("seqfuse.ops.gemm")  # the module (seqfuse.ops.gemm is the op)
+    draw = torch.multinomial(torch.ones(8), 128, replacement=True)
+    splits = [16 * int(c) for c in torch.bincount(draw, minlength=8)]
+    n, k = 1024, 7168
+    dy = torch.randn(sum(splits), k, device="cuda").to(torch.float8_e5m2)
+    w_t = (torch.randn(8, n, k, device="cuda") * 4).to(torch.float8_e4m3fn)
+    sx, sw = torch.rand(8, device="cuda") + 0.5, torch.rand(8, device="cuda") + 0.5
+    gemm_mod.plan_cache_clear()
+    q0 = gemm_mod.heuristic_queries()
+    with caplog.at_level(logging.INFO, logger="seqfuse"):
+        y = _fp8_call(dy, w_t, splits, sx, sw, False, None)
+    assert gemm_mod.heuristic_queries() == q0
+    assert not [r for r in caplog.records if "not the sm90 kernel" in r.getMessage()]
+    lt = _fp8_call(dy, w_t, splits, sx, sw, False, "cublaslt")
+    ends = torch.tensor(splits).cumsum(0).tolist()
+    ref = torch.cat([(dy[lo:hi].double() @ w_t[g].double().T) * (sx[g] * sw[g]).double()
+                     for g, (lo, hi) in enumerate(zip([0] + ends[:-1], ends))])
+    assert rel_error(y, ref) <= torch_bound(rel_error(lt, ref), floor=rel_tol(torch.bfloat16) / 4)
+
+
+@pytest.mark.cuda
+@needs_hopper
+@needs_fp8
+def test_cuda_forced_sm90_refuses_e4m3_times_e5m2():
+    """e5m2 is taken as a (the gradient), not as b: the rule is named."""
+    splits = [32, 16]
+    xq = torch.randn(48, 64, device="cuda").to(torch.float8_e4m3fn)
+    wq = torch.randn(2, 32, 64, device="cuda").to(torch.float8_e5m2)
+    s = torch.ones(2, device="cuda")
+    with pytest.raises(ValueError, match="kernel='sm90' cannot take this call: it takes bfloat16 x bfloat16, "
+                                         "float8_e4m3fn x float8_e4m3fn or float8_e5m2 x float8_e4m3fn"):
+        _fp8_call(xq, wq, splits, s, s, False, "sm90")
+
+
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize("why,call", [
@@ -145,13 +274,14 @@ def test_cuda_sm90_fp8_matches_cpu_with_per_group_scales(splits, k, n, seed):
                                                                            dtype=x.dtype), kernel="sm90")),
     ("it takes transa=0 and transb=1 only",
      lambda x, w, s: moe.grouped_gemm(x, w.transpose(1, 2).contiguous(), s, kernel="sm90")),
-    ("it takes bfloat16 or float8_e4m3fn operands and a bfloat16 out",
+    ("it takes bfloat16 x bfloat16, float8_e4m3fn x float8_e4m3fn or float8_e5m2 x float8_e4m3fn operands "
+     "\\(a x b\\) and a bfloat16 out",
      lambda x, w, s: moe.grouped_gemm(x.half(), w.half(), s, transb=True, kernel="sm90")),
     ("the kernel needs k a positive multiple of 8",
      lambda x, w, s: moe.grouped_gemm(x[:, :12], w[:, :, :12], s, transb=True, kernel="sm90")),
     ("it takes a and out with unit column stride",
      lambda x, w, s: moe.grouped_gemm(x.t().contiguous().t(), w, s, transb=True, kernel="sm90")),
-    ("its groups' b are not all 2-D of a's dtype",
+    ("its groups' b are not all 2-D of one dtype",
      lambda x, w, s: moe.grouped_gemm(x, [w[0], w[1].half()], s, transb=True, kernel="sm90")),
     ("the product is empty",
      lambda x, w, s: moe.grouped_gemm(x[:0], w, [0, 0], transb=True, kernel="sm90")),

@@ -315,16 +315,17 @@ static const char *sm90_form(const sf_grouped_gemm_args *args)
         return "it takes no bias and no accumulate";
     if (args->num_groups > SF_GROUPED_SM90_MAX_GROUPS)
         return "it takes at most 64 groups";
-    const sf_dtype t = args->a->dtype;
-    if (args->out->dtype != SF_BFLOAT16 || (t != SF_BFLOAT16 && t != SF_FLOAT8_E4M3))
-        return "it takes bfloat16 or float8_e4m3fn operands and a bfloat16 out";
-    if (t == SF_FLOAT8_E4M3) {
-        if ((args->a_scale_list && args->a_scaling != SF_GEMM_SCALE_TENSOR) ||
-            (args->b_scale_list && args->b_scaling != SF_GEMM_SCALE_TENSOR))
-            return "it takes per-tensor FP8 scales only";
-        if (!args->fast_accum)
-            return "its FP8 products accumulate as fast_accum=1 does (pass fast_accum=1)";
-    }
+    /* a x b: the forward's bf16 x bf16 or e4m3 x e4m3, the FP8 input gradient's e5m2 x e4m3 (HYBRID);
+     * FP8 accumulates as fast_accum asks (0: each 128-k block's sum promoted into float32) */
+    const sf_dtype ta = args->a->dtype, tb = args->b_list[0].dtype;
+    if (args->out->dtype != SF_BFLOAT16 ||
+        !((ta == SF_BFLOAT16 && tb == SF_BFLOAT16) || (ta == SF_FLOAT8_E4M3 && tb == SF_FLOAT8_E4M3) ||
+          (ta == SF_FLOAT8_E5M2 && tb == SF_FLOAT8_E4M3)))
+        return "it takes bfloat16 x bfloat16, float8_e4m3fn x float8_e4m3fn or float8_e5m2 x float8_e4m3fn "
+               "operands (a x b) and a bfloat16 out";
+    if (ta != SF_BFLOAT16 && ((args->a_scale_list && args->a_scaling != SF_GEMM_SCALE_TENSOR) ||
+                              (args->b_scale_list && args->b_scaling != SF_GEMM_SCALE_TENSOR)))
+        return "it takes per-tensor FP8 scales only";
     return NULL;
 }
 
@@ -344,6 +345,7 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     *form = 1;
     if ((*why = sf_grouped_sm90_device_unfit(args->a->device_id)) != NULL)
         return SF_OK; /* (before any per-group work: a GPU that is not Hopper pays nothing here) */
+    /* (a's dtype: FP8, e4m3 or e5m2 and either accumulation, always takes the kernel; bf16 by its groups' tiles) */
     if (args->kernel == SF_GROUPED_KERNEL_AUTO &&
         !sf_grouped_sm90_pays(args->m_splits, args->num_groups, args->out->shape[1], args->a->dtype,
                               args->a->device_id)) {
@@ -352,7 +354,9 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     }
     sf_grouped_sm90_args local; /* ~2.6 KiB */
     memset(&local, 0, sizeof local);
-    local.dtype = args->a->dtype;
+    local.a_dtype = args->a->dtype;
+    local.b_dtype = args->b_list[0].dtype; /* (each group's is held to it below) */
+    local.fast_accum = args->fast_accum ? 1 : 0; /* (FP8: 0 takes the promoted shape; bf16 ignores it) */
     local.groups = args->num_groups;
     local.a = args->a->data;
     local.lda = args->a->strides[0];
@@ -374,8 +378,8 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     int64_t off = 0;
     for (int g = 0; g < args->num_groups; off += args->m_splits[g], ++g) {
         const int64_t rows = args->m_splits[g];
-        if (args->b_list[g].ndim != 2 || args->b_list[g].dtype != local.dtype) {
-            *why = "its groups' b are not all 2-D of a's dtype"; /* (the per-group route names the group) */
+        if (args->b_list[g].ndim != 2 || args->b_list[g].dtype != local.b_dtype) {
+            *why = "its groups' b are not all 2-D of one dtype"; /* (the per-group route names the group) */
             return SF_OK;
         }
         local.row_start[g + 1] = off + rows;
@@ -391,7 +395,7 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
             *taken = 1;
             return group_failed(st, g, rows);
         }
-        if (local.dtype == SF_FLOAT8_E4M3) {
+        if (local.a_dtype != SF_BFLOAT16) {
             local.a_scale_inv[g] = (const float *)ga.a_scale_inv->data; /* (group_scale's view of group g) */
             local.b_scale_inv[g] = (const float *)ga.b_scale_inv->data;
         }
@@ -727,7 +731,9 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
     const int G = (int)b->shape[0];
     sf_grouped_sm90_args k;
     memset(&k, 0, sizeof k);
-    k.dtype = a->dtype;
+    k.a_dtype = a->dtype;
+    k.b_dtype = b->dtype; /* (device_ends_check: both bf16 or both e4m3) */
+    k.fast_accum = 1; /* (the forward's accumulation, as the CPU path's fast_accum=1 groups) */
     k.groups = G;
     k.n = b->shape[1];
     k.k = b->shape[2];

@@ -4,7 +4,8 @@
  * experts share the GPU's waves instead of each expert's GEMM rounding up
  * to whole waves of its own (and paying a cuBLASLt call's host work).
  *
- * The one layout it serves is the experts' forward product:
+ * The one layout it serves is the experts' forward product (and, in FP8,
+ * the input gradient's, whose b are the experts' transposed weights):
  *
  *     out[rows_g, 0:N] = A[rows_g, 0:K] @ B_g[0:N, 0:K]^T     (g = 0 .. G-1)
  *
@@ -12,8 +13,15 @@
  * (rows_g = [row_start[g], row_start[g + 1])), B_g: G row-major [N, K]
  * matrices anywhere in memory, out: one row-major [rows, N] matrix.  Both
  * operands are K-major, which is what wgmma needs for FP8 as well.
- * Element types: bf16 x bf16 -> bf16, or e4m3 x e4m3 -> bf16 with one scale
- * per group (a_scale_inv[g] x b_scale_inv[g], float32 on the device).
+ * Element types (a x b -> out): bf16 x bf16 -> bf16; e4m3 x e4m3 -> bf16
+ * (the forward); e5m2 x e4m3 -> bf16 (the input gradient under the HYBRID
+ * format: the output gradient in e5m2 times the transposed e4m3 weights);
+ * FP8 with one scale per group (a_scale_inv[g] x b_scale_inv[g], float32
+ * on the device).  FP8 accumulates either as cuBLASLt's fast_accum=1 does
+ * (Hopper's FP8 wgmma accumulator, about 13 mantissa bits, over all of k:
+ * the forward's 128 x 256 tiles) or as its fast_accum=0 does (each 128-k
+ * block's partial sum promoted into a float32 accumulator: Transformer
+ * Engine's split accumulator for gradients; 128 x 128 tiles).
  */
 #ifndef SF_GROUPED_SM90_H
 #define SF_GROUPED_SM90_H
@@ -31,7 +39,13 @@ extern "C" {
 #define SF_GROUPED_SM90_MAX_GROUPS 64
 
 typedef struct {
-    sf_dtype dtype;                 /* SF_BFLOAT16 or SF_FLOAT8_E4M3 (a and every b) */
+    /* a x every b: SF_BFLOAT16 x SF_BFLOAT16, SF_FLOAT8_E4M3 x SF_FLOAT8_E4M3
+     * or SF_FLOAT8_E5M2 x SF_FLOAT8_E4M3 */
+    sf_dtype a_dtype, b_dtype;
+    /* FP8 only (bf16 accumulates in float32 and ignores it): 1 the wgmma
+     * accumulator over all of k (cuBLASLt's fast_accum=1), 0 each 128-k
+     * block's sum promoted into float32 (fast_accum=0; 128 x 128 tiles) */
+    int fast_accum;
     int groups;                     /* 1 .. SF_GROUPED_SM90_MAX_GROUPS */
     int64_t n, k;                   /* out columns, reduction length */
     const void *a;                  /* [row_start[groups], k], row stride lda elements */
@@ -64,14 +78,16 @@ const char *sf_grouped_sm90_device_unfit(int device_id);
 
 /* NULL when `args` fits the kernel on this build and device, else the rule
  * it breaks (a static string naming the argument): compute capability 9.0
- * with an sm_90a build; k and n multiples of 16 bytes of elements (8 bf16,
- * 16 e4m3) and k > 0; lda, ldb, ldo at least k / k / n and multiples of the
- * same 16 bytes; every pointer 16-byte aligned; rows below 2^31. */
+ * with an sm_90a build; one of the three dtype pairs; fast_accum 0 or 1;
+ * k and n multiples of 16 bytes of elements (8 bf16, 16 e4m3 or e5m2) and
+ * k > 0; lda, ldb, ldo at least k / k / n and multiples of the same 16
+ * bytes; every pointer 16-byte aligned; rows below 2^31. */
 const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
 
 /* 1 when the kernel is the faster route for groups of m_splits rows, n
- * output columns and element type dtype on device_id, 0 when one cuBLASLt
- * call per group is (or no group has rows): e4m3 always; bf16 where the average group with rows has
+ * output columns and a's element type dtype on device_id, 0 when one
+ * cuBLASLt call per group is (or no group has rows): FP8 (a e4m3 or e5m2)
+ * always, fast_accum either way; bf16 where the average group with rows has
  * at most two waves of the device's SMs in output tiles of 128 x 256 (so
  * each group's own GEMM ends in a partial wave, and its host work is paid G
  * times).  Measured on an H100 (s46, benchmarks/moe/bench_grouped_gemm.py,
@@ -83,11 +99,17 @@ const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
  * against 500-530), and lost it at 8 and 16 experts (448+ tiles a group:
  * 597-718 against 672-725); e4m3 it won 10 of 12 rows (8 experts 1,157-1,210
  * against 1,004-1,135; it lost 16 experts' balanced up projection, 993-1,031
- * against 1,120-1,201, in two runs). */
+ * against 1,120-1,201, in two runs).  e5m2 x e4m3 and the promoted
+ * (fast_accum=0) shape take the FP8 rule unmeasured: written without a GPU,
+ * they are timed against the per-expert cuBLASLt route with fast_accum=0
+ * by bin/check_grouped_sm90's "bench dgrad" lines (Mixtral-small's input
+ * gradients), which are to confirm or revise this. */
 int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id);
 
 /* Launches the kernel on `stream` (args checked by sf_grouped_sm90_unfit
- * first; a failure there is returned as SF_ERR_VALUE with that rule).
+ * first; a failure there is returned as SF_ERR_VALUE with that rule) in
+ * the call's shape: 128 x 128 promoted tiles for FP8 with fast_accum=0,
+ * else 128 x 256.
  * Groups with no rows are skipped; out rows of other groups are not
  * touched. */
 sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream);
@@ -98,10 +120,16 @@ sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *args, sf_stream stream
 sf_status sf_grouped_sm90_launch(const sf_grouped_sm90_args *args, sf_stream stream);
 
 #ifdef SF_WORKBENCH
-/* The check's kernel shapes (grouped_sm90_cuda.cu): 0 the library's (128 x
- * 256 tiles, 4 stages, down the rows first, TMA-stored epilogue through 2
- * boxes a warpgroup), 1 the same storing from registers, 2 with 3 stages
- * and 4 boxes (one round), 3 the library's along the columns first. */
+/* The check's kernel shapes (grouped_sm90_cuda.cu): 0 the library's for the
+ * call (bf16 and fast_accum=1: 128 x 256 tiles, 4 stages, down the rows
+ * first, TMA-stored epilogue through 2 boxes a warpgroup; FP8 with
+ * fast_accum=0: 128 x 128 tiles, 6 stages, two promoted temporaries with
+ * one wgmma group in flight, 2 boxes), 1 the first storing from registers,
+ * 2 with 3 stages and 4 boxes (one round), 3 the first along the columns
+ * first; for fast_accum=0 only, 4 the promoted shape with one temporary
+ * (each k-block's group waited for before it is promoted), 5 the library's
+ * promoted shape with 4 stages.  A variant of the other accumulation than
+ * the call's is refused. */
 sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *args, int variant, sf_stream stream);
 #endif
 

@@ -48,6 +48,35 @@
  * weights need not be one buffer), encoded on the host at each call
  * (cuTensorMapEncodeTiled, through the runtime's driver entry point, so the
  * library does not link libcuda) and passed in the kernel's parameters.
+ *
+ * Element kinds (the kernel's KIND): bf16 x bf16 (wgmma k16), e4m3 x e4m3
+ * (the forward, k32) and e5m2 x e4m3 (the input gradient under the HYBRID
+ * format: the output gradient in e5m2 times the experts' transposed e4m3
+ * weights; wgmma's mixed .e5m2.e4m3 form, k32).  A k-block is 128 bytes of
+ * k in every kind (64 bf16 or 128 FP8 elements, 4 wgmma steps), so the
+ * loads, the swizzle and the descriptors are one code; only the wgmma
+ * instruction differs.
+ *
+ * FP8 accumulation.  Hopper's FP8 wgmma adds into its accumulator with
+ * fewer bits than float32 (about 13 of mantissa); accumulating all of k
+ * there is what cuBLASLt calls fast_accum=1, and the forward's products
+ * take it.  Gradients take fast_accum=0 (Transformer Engine's split
+ * accumulator), which the kernel does as CUTLASS's FP8 mainloop does: each
+ * k-block's 4 wgmma steps accumulate into a temporary (its first step with
+ * scale-d 0, so it starts from zero), and once that k-block's wgmma group
+ * has completed the temporary is added into the float32 accumulator with
+ * ordinary float32 adds ("promoted").  The reduced-precision sum then spans
+ * 128 products instead of all of k.  Two 128-float accumulators a thread
+ * do not fit beside the rest (255 registers at most, 232 given to a
+ * consumer), so the promoted shapes use 128 x 128 tiles (wgmma m64n128: 64
+ * floats for the accumulator, 64 for each temporary) and the epilogue's one
+ * round of two 64-column boxes.  PROMOTE 2 (the library's) keeps two
+ * temporaries and one wgmma group in flight: k-block kb is issued into one
+ * temporary, then the group of k-block kb - 1 is waited for (wait_group 1),
+ * its stage released and its temporary promoted while kb's wgmma runs.
+ * PROMOTE 1 keeps one temporary and waits for each k-block's group
+ * (wait_group 0) before promoting it, CUTLASS's form; the other consumer
+ * warpgroup's wgmma keeps the tensor cores busy meanwhile.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -72,19 +101,28 @@ constexpr int kMaxGroups = SF_GROUPED_SM90_MAX_GROUPS;
 
 constexpr int kBoxBytes = 64 * 128; /* an epilogue box: 64 rows x 64 bf16 columns */
 
+/* The element kinds (a x b -> bf16 out). */
+enum Kind { kBf16 = 0, kE4m3 = 1 /* e4m3 x e4m3 */, kE5m2 = 2 /* e5m2 x e4m3 */ };
+
 /* A tile shape: BN output columns (256: each consumer m64n256, 128
  * accumulators a thread; 128: m64n128), STAGES k-blocks in flight, the
  * order of a group's tiles (MFAST: down the rows first, so the CTAs at work
  * share B's column tile; else along the columns first, sharing A's rows),
- * and EPI epilogue boxes a consumer warpgroup (0: stores from registers). */
-template <int BN_, int STAGES_, bool MFAST_, int EPI_> struct Cfg {
-    static constexpr int BN = BN_, STAGES = STAGES_, ACC = BN_ / 2, EPI = EPI_;
+ * EPI epilogue boxes a consumer warpgroup (0: stores from registers), and
+ * PROMOTE, how FP8 products accumulate (0: in the wgmma accumulator for all
+ * of k, fast_accum=1; 1 and 2: each k-block's in a temporary promoted into
+ * float32, fast_accum=0, with one temporary and wait_group 0 or two and one
+ * group in flight; FP8 kinds and BN = 128 only). */
+template <int BN_, int STAGES_, bool MFAST_, int EPI_, int PROMOTE_ = 0> struct Cfg {
+    static constexpr int BN = BN_, STAGES = STAGES_, ACC = BN_ / 2, EPI = EPI_, PROMOTE = PROMOTE_;
     static constexpr bool MFAST = MFAST_;
     static constexpr int B_BYTES = BN * kRowBytes, STAGE_BYTES = kABytes + B_BYTES;
     static constexpr int EPI_BYTES = 2 * EPI * kBoxBytes; /* both consumer warpgroups' buffers */
     static constexpr int SMEM = STAGES * STAGE_BYTES + EPI_BYTES + 1024 /* alignment */ + 1024 /* barriers, tables */;
     static_assert(EPI == 0 || (BN / 64) % (EPI > 0 ? EPI : 1) == 0, "the epilogue's rounds must cover the tile's columns");
     static_assert(SMEM <= 227 * 1024, "more shared memory than a Hopper CTA has");
+    static_assert(PROMOTE == 0 || BN == 128,
+                  "a promoted shape's temporaries fit the registers beside m64n128's accumulator only");
 };
 /* The library's shape; the check times three others beside it.  Measured
  * on an H100 (s46, bin/check_grouped_sm90 at ff083f8 and f18693a,
@@ -97,6 +135,17 @@ template <int BN_, int STAGES_, bool MFAST_, int EPI_> struct Cfg {
  * (673-676).  s45: rows first beat columns first in 15 of 16 rows with the
  * register epilogue, and 128 x 128 tiles with 6 stages lost everywhere. */
 using Library = Cfg<256, 4, true, 2>;
+/* The library's shape for FP8 calls with fast_accum=0: 128 x 128 tiles,
+ * two temporaries with one wgmma group in flight, 6 stages of 32 KiB (the
+ * most that fit beside the epilogue's 32 KiB), rows first, the TMA-stored
+ * epilogue in one round of 2 boxes.  Not measured when chosen: the check
+ * times it beside PROMOTE 1 and 4 stages (sf_grouped_sm90_run_variant 4
+ * and 5) and the cuBLASLt route at Mixtral-small's input-gradient shapes.
+ * ptxas (CUDA 13.0): no spills, registers up to R225 of the consumers' 232
+ * (accumulator and two temporaries: 192 floats), and no serialized wgmma
+ * (C7515 / C7518) once the two-temporary loop keeps the same group in
+ * flight wherever its paths meet (the loop below). */
+using Promoted = Cfg<128, 6, true, 2, 2>;
 
 struct Params {
     CUtensorMap a_map;
@@ -192,38 +241,51 @@ __device__ __forceinline__ uint64_t desc_k(uint32_t tile, int row0, int kk)
 #define SF_A32(i) SF_A8(i), SF_A8(i + 8), SF_A8(i + 16), SF_A8(i + 24)
 #define SF_A128 SF_A32(0), SF_A32(32), SF_A32(64), SF_A32(96)
 
-/* d (+)= A B^T for one k step: m64 nN, A and B K-major in shared memory. */
-template <bool FP8, int N> struct Wg;
-template <bool FP8> struct Wg<FP8, 256> {
+/* d (+)= A B^T for one k step: m64 nN, A and B K-major in shared memory,
+ * of element kind KIND (bf16 k16, FP8 k32: 32 bytes of k either way). */
+#define SF_WG_FP8(SHAPE, TYPES, D, AB, SCALE)                                                                     \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                                              \
+    "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPES " " D ", " AB ", p, 1, 1;\n}\n"
+#define SF_WG_BF16(SHAPE, D, AB, SCALE)                                                                           \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                                              \
+    "wgmma.mma_async.sync.aligned." SHAPE ".f32.bf16.bf16 " D ", " AB ", p, 1, 1, 0, 0;\n}\n"
+template <int KIND, int N> struct Wg;
+template <int KIND> struct Wg<KIND, 256> {
 static __device__ __forceinline__ void mma(float (&d)[128], uint64_t a, uint64_t b, int scale_d)
 {
-    if constexpr (FP8)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 " SF_D128 ", %128, %129, p, 1, 1;\n}\n"
+    if constexpr (KIND == kE4m3)
+        asm volatile(SF_WG_FP8("m64n256k32", "e4m3.e4m3", SF_D128, "%128, %129", "%130")
+                     : SF_A128
+                     : "l"(a), "l"(b), "r"(scale_d));
+    else if constexpr (KIND == kE5m2)
+        asm volatile(SF_WG_FP8("m64n256k32", "e5m2.e4m3", SF_D128, "%128, %129", "%130")
                      : SF_A128
                      : "l"(a), "l"(b), "r"(scale_d));
     else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " SF_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
+        asm volatile(SF_WG_BF16("m64n256k16", SF_D128, "%128, %129", "%130")
                      : SF_A128
                      : "l"(a), "l"(b), "r"(scale_d));
 }
 };
-template <bool FP8> struct Wg<FP8, 128> {
+template <int KIND> struct Wg<KIND, 128> {
 static __device__ __forceinline__ void mma(float (&d)[64], uint64_t a, uint64_t b, int scale_d)
 {
-    if constexpr (FP8)
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SF_D64 ", %64, %65, p, 1, 1;\n}\n"
+    if constexpr (KIND == kE4m3)
+        asm volatile(SF_WG_FP8("m64n128k32", "e4m3.e4m3", SF_D64, "%64, %65", "%66")
+                     : SF_A32(0), SF_A32(32)
+                     : "l"(a), "l"(b), "r"(scale_d));
+    else if constexpr (KIND == kE5m2)
+        asm volatile(SF_WG_FP8("m64n128k32", "e5m2.e4m3", SF_D64, "%64, %65", "%66")
                      : SF_A32(0), SF_A32(32)
                      : "l"(a), "l"(b), "r"(scale_d));
     else
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SF_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        asm volatile(SF_WG_BF16("m64n128k16", SF_D64, "%64, %65", "%66")
                      : SF_A32(0), SF_A32(32)
                      : "l"(a), "l"(b), "r"(scale_d));
 }
 };
+#undef SF_WG_FP8
+#undef SF_WG_BF16
 #undef SF_D64
 #undef SF_D128
 #undef SF_A8
@@ -266,10 +328,12 @@ __device__ __forceinline__ Tile tile_of(int t, const int *tile_start, const int 
 }
 #endif
 
-template <bool FP8, class C>
+template <int KIND, class C>
 __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_constant__ Params p)
 {
+    static_assert(C::PROMOTE == 0 || KIND != kBf16, "bf16 products accumulate in float32: nothing to promote");
 #ifdef SF_GROUPED_SM90A
+    constexpr bool FP8 = KIND != kBf16;
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     uint8_t *epi_buf = smem + C::STAGES * C::STAGE_BYTES; /* 1024-aligned: stages are multiples of 1 KiB */
@@ -343,32 +407,94 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
         const int ct = tid - 128 * wg; /* thread in the consumer warpgroup */
         const int row0 = (wg - 1) * 64;
         int stage = 0, phase = 0;
+        int released = 0; /* (promoted shapes: the stage the next promoted k-block frees) */
         float d[C::ACC];
+        /* k-block kb's 4 wgmma steps into acc (from zero when fresh) as one committed group, the
+         * stage advanced */
+        auto issue = [&](float(&acc)[C::ACC], bool fresh) {
+            mbar_wait(smem_u32(&full[stage]), phase);
+            const uint32_t a_t = smem_u32(smem + stage * C::STAGE_BYTES), b_t = a_t + kABytes;
+            pin(acc);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                Wg<KIND, C::BN>::mma(acc, desc_k(a_t, row0, kk), desc_k(b_t, 0, kk), !fresh || kk > 0);
+            wg_commit();
+            if (++stage == C::STAGES) {
+                stage = 0;
+                phase ^= 1;
+            }
+        };
+        /* the oldest issued k-block's group has completed (the caller waited): its stage released,
+         * its temporary added into d in float32 */
+        auto promote = [&](float(&tmp)[C::ACC]) {
+            pin(tmp);
+            if (ct == 0)
+                mbar_arrive(smem_u32(&empty[released]));
+            released = released + 1 == C::STAGES ? 0 : released + 1;
+#pragma unroll
+            for (int i = 0; i < C::ACC; ++i)
+                d[i] += tmp[i];
+        };
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
             const Tile tl = tile_of<C>(t, tile_start, row_start, p.groups, p.n_tiles);
-            for (int kb = 0; kb < p.kblocks; ++kb) {
-                mbar_wait(smem_u32(&full[stage]), phase);
-                const uint32_t a_t = smem_u32(smem + stage * C::STAGE_BYTES), b_t = a_t + kABytes;
+            if constexpr (C::PROMOTE == 0) {
+                for (int kb = 0; kb < p.kblocks; ++kb) {
+                    issue(d, kb == 0);
+                    /* the previous k-block's wgmma has finished: release its stage (stage is the next
+                     * k-block's now, so the previous one's is two back) */
+                    wg_wait<1>();
+                    pin(d);
+                    if (kb > 0 && ct == 0)
+                        mbar_arrive(smem_u32(&empty[(stage + 2 * C::STAGES - 2) % C::STAGES]));
+                }
+                wg_wait<0>();
                 pin(d);
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    Wg<FP8, C::BN>::mma(d, desc_k(a_t, row0, kk), desc_k(b_t, 0, kk), kb > 0 || kk > 0);
-                wg_commit();
-                /* the previous k-block's wgmma has finished: release its stage */
-                wg_wait<1>();
-                pin(d);
-                if (kb > 0 && ct == 0)
+                if (ct == 0)
                     mbar_arrive(smem_u32(&empty[stage == 0 ? C::STAGES - 1 : stage - 1]));
-                if (++stage == C::STAGES) {
-                    stage = 0;
-                    phase ^= 1;
+            } else if constexpr (C::PROMOTE == 1) {
+                /* one temporary: each k-block's group waited for before it is promoted */
+                float tmp[C::ACC];
+#pragma unroll
+                for (int i = 0; i < C::ACC; ++i)
+                    d[i] = 0.f;
+                for (int kb = 0; kb < p.kblocks; ++kb) {
+                    issue(tmp, true);
+                    wg_wait<0>();
+                    promote(tmp);
+                }
+            } else {
+                /* two temporaries: k-block kb issued into one while kb - 1's (in the other) is waited
+                 * for and promoted; wait_group 1 leaves kb's group running */
+                float t0[C::ACC], t1[C::ACC];
+#pragma unroll
+                for (int i = 0; i < C::ACC; ++i)
+                    d[i] = 0.f;
+                const int kblocks = p.kblocks;
+                /* (every path keeps the same groups in flight where paths meet: t0's at the loop's
+                 * edges, none after the tail, so ptxas can follow the groups and does not wait for
+                 * every wgmma before each read of a temporary) */
+                issue(t0, true); /* k-block 0 */
+                int kb = 1;
+                for (; kb + 1 < kblocks; kb += 2) {
+                    issue(t1, true); /* kb */
+                    wg_wait<1>();
+                    promote(t0); /* kb - 1 */
+                    issue(t0, true); /* kb + 1 */
+                    wg_wait<1>();
+                    promote(t1); /* kb */
+                }
+                if (kb < kblocks) { /* the last k-block, kblocks - 1, in t1 */
+                    issue(t1, true);
+                    wg_wait<1>();
+                    promote(t0);
+                    wg_wait<0>();
+                    promote(t1);
+                } else {
+                    wg_wait<0>();
+                    promote(t0);
                 }
             }
-            wg_wait<0>();
-            pin(d);
-            if (ct == 0)
-                mbar_arrive(smem_u32(&empty[stage == 0 ? C::STAGES - 1 : stage - 1]));
 
             /* epilogue: register 4j + e is row 16 w + r8 + 8 (e >> 1), column 8 j + 2 q + (e & 1) */
             float scale = 1.f;
@@ -435,6 +561,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_sm90_kernel(const __grid_
             bulk_wait(); /* the stores are done before the CTA's shared memory goes */
     }
 #else
+    (void)C::ACC; /* (the shape's members the sm_90a body reads: referenced, so other targets do not warn) */
+    (void)C::MFAST;
     SF_SM90_NOT_BUILT();
 #endif
 }
@@ -503,7 +631,7 @@ const char *device_unfit(int device)
             why[device] = "the device's compute capability could not be read";
         } else if (major != 9 || minor != 0) {
             why[device] = "the kernel runs on compute capability 9.0 (Hopper) only";
-        } else if (cudaFuncGetAttributes(&fa, (const void *)grouped_sm90_kernel<false, Library>) != cudaSuccess ||
+        } else if (cudaFuncGetAttributes(&fa, (const void *)grouped_sm90_kernel<kBf16, Library>) != cudaSuccess ||
                    fa.sharedSizeBytes != 0) {
             (void)cudaGetLastError();
             why[device] = "the library was not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
@@ -514,6 +642,18 @@ const char *device_unfit(int device)
 }
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* The call's element kind, or -1 for a pair of dtypes the kernel does not take. */
+int kind_of(const sf_grouped_sm90_args *a)
+{
+    if (a->a_dtype == SF_BFLOAT16 && a->b_dtype == SF_BFLOAT16)
+        return kBf16;
+    if (a->a_dtype == SF_FLOAT8_E4M3 && a->b_dtype == SF_FLOAT8_E4M3)
+        return kE4m3;
+    if (a->a_dtype == SF_FLOAT8_E5M2 && a->b_dtype == SF_FLOAT8_E4M3)
+        return kE5m2;
+    return -1;
+}
 
 } // namespace
 
@@ -530,19 +670,25 @@ extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t
             ++busy;
         }
     /* (no rows at all: nothing to run, so nothing to choose or note) */
-    return busy > 0 && (dtype == SF_FLOAT8_E4M3 || tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id));
+    const bool fp8 = dtype == SF_FLOAT8_E4M3 || dtype == SF_FLOAT8_E5M2;
+    return busy > 0 && (fp8 || tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id));
 }
 
 extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
 {
-    if (a->dtype != SF_BFLOAT16 && a->dtype != SF_FLOAT8_E4M3)
-        return "the kernel takes bfloat16 or float8_e4m3fn operands";
+    const int kind = kind_of(a);
+    if (kind < 0)
+        return "the kernel takes bfloat16 x bfloat16, float8_e4m3fn x float8_e4m3fn or float8_e5m2 x "
+               "float8_e4m3fn operands (a x b)";
+    if (a->fast_accum != 0 && a->fast_accum != 1)
+        return "the kernel takes fast_accum 0 (FP8 sums promoted into float32 every 128 k) or 1";
     if (a->groups < 1 || a->groups > kMaxGroups)
         return "the kernel takes 1 to 64 groups";
-    const int64_t align = a->dtype == SF_BFLOAT16 ? 8 : 16;
+    const bool fp8 = kind != kBf16;
+    const int64_t align = fp8 ? 16 : 8; /* (16 bytes of elements) */
     if (a->k <= 0 || a->k % align || a->n <= 0 || a->n % 8)
-        return a->dtype == SF_BFLOAT16 ? "the kernel needs k a positive multiple of 8 and n of 8"
-                                       : "the kernel needs k a positive multiple of 16 and n of 8";
+        return fp8 ? "the kernel needs k a positive multiple of 16 and n of 8"
+                   : "the kernel needs k a positive multiple of 8 and n of 8";
     if (a->lda < a->k || a->lda % align || a->ldo < a->n || a->ldo % 8)
         return "the kernel needs row strides of a and out multiples of 16 bytes, at least a row";
     if (a->row_start[0] != 0 || a->row_start[a->groups] < 0 || a->row_start[a->groups] >= ((int64_t)1 << 31) ||
@@ -560,7 +706,7 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
             continue; /* (an empty group's b is never read; with device_row_end any group may have rows) */
         if (!aligned16(a->b[g]) || a->ldb[g] < a->k || a->ldb[g] % align)
             return "the kernel needs each b 16-byte aligned with a row stride of a multiple of 16 bytes";
-        if (a->dtype == SF_FLOAT8_E4M3 && (!a->a_scale_inv[g] || !a->b_scale_inv[g]))
+        if (fp8 && (!a->a_scale_inv[g] || !a->b_scale_inv[g]))
             return "the FP8 kernel needs a scale inverse for a and b of every group";
     }
     return device_unfit(a->device_id);
@@ -569,14 +715,27 @@ extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)
 namespace {
 
 /* Fills the launch's parameters and launches the kernel of tile shape C
- * (args as sf_grouped_sm90_unfit accepted them). */
+ * (args as sf_grouped_sm90_unfit accepted them; a promoted shape, FP8 only). */
 template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream)
 {
     const char *why;
     EncodeTiled fn = encode_fn(&why);
     if (!fn)
         return sf_fail(SF_ERR_NOT_IMPLEMENTED, "grouped_gemm (sm90 kernel): %s", why);
-    const bool fp8 = a->dtype == SF_FLOAT8_E4M3;
+    const int kind = kind_of(a);
+    const bool fp8 = kind != kBf16;
+    void (*kernel)(Params) = nullptr;
+    if constexpr (C::PROMOTE == 0) {
+        if (kind == kBf16)
+            kernel = grouped_sm90_kernel<kBf16, C>;
+    }
+    if (kind == kE4m3)
+        kernel = grouped_sm90_kernel<kE4m3, C>;
+    else if (kind == kE5m2)
+        kernel = grouped_sm90_kernel<kE5m2, C>;
+    if (!kernel) /* (the routes below pick C by the call: not reached) */
+        return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): no shape of its for these operands and "
+                       "fast_accum");
     static Params p; /* ~10 KiB: built here under the lock, copied into the launch */
     static std::mutex lock;
     std::lock_guard<std::mutex> hold(lock);
@@ -618,11 +777,10 @@ template <class C> sf_status run(const sf_grouped_sm90_args *a, sf_stream stream
     const int sms = sf_cuda_sm_count(a->device_id);
     const int grid = on_device || p.total_tiles > sms ? sms : p.total_tiles;
     cudaError_t e = cudaSuccess;
-    auto kernel = fp8 ? grouped_sm90_kernel<true, C> : grouped_sm90_kernel<false, C>;
-    static bool attr_set[2][64]; /* (device ids were checked below 64 by sf_grouped_sm90_unfit; set under the lock) */
-    if (!attr_set[fp8][a->device_id]) {
+    static bool attr_set[3][64]; /* (device ids were checked below 64 by sf_grouped_sm90_unfit; set under the lock) */
+    if (!attr_set[kind][a->device_id]) {
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-        attr_set[fp8][a->device_id] = e == cudaSuccess;
+        attr_set[kind][a->device_id] = e == cudaSuccess;
     }
     if (e == cudaSuccess) {
         kernel<<<grid, kThreads, C::SMEM, sf_cuda_stream(stream)>>>(p);
@@ -644,26 +802,42 @@ static sf_status refuse_unfit(const sf_grouped_sm90_args *a)
     return why ? sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): %s", why) : SF_OK;
 }
 
+/* The library's shape for the call: the promoted one for FP8 with fast_accum=0. */
+static sf_status route(const sf_grouped_sm90_args *a, sf_stream stream)
+{
+    const bool promoted = a->a_dtype != SF_BFLOAT16 && !a->fast_accum;
+    return promoted ? run<Promoted>(a, stream) : run<Library>(a, stream);
+}
+
 extern "C" sf_status sf_grouped_sm90_run(const sf_grouped_sm90_args *a, sf_stream stream)
 {
     SF_TRY(refuse_unfit(a));
-    return run<Library>(a, stream);
+    return route(a, stream);
 }
 
 extern "C" sf_status sf_grouped_sm90_launch(const sf_grouped_sm90_args *a, sf_stream stream)
 {
-    return run<Library>(a, stream);
+    return route(a, stream);
 }
 
 #ifdef SF_WORKBENCH
 extern "C" sf_status sf_grouped_sm90_run_variant(const sf_grouped_sm90_args *a, int variant, sf_stream stream)
 {
     SF_TRY(refuse_unfit(a));
+    const bool promoted = a->a_dtype != SF_BFLOAT16 && !a->fast_accum;
+    if (variant >= 1 && variant <= 3 && promoted)
+        return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): variant %d accumulates as fast_accum=1 does; "
+                       "the call asks for fast_accum=0 (variants 4 and 5)", variant);
+    if ((variant == 4 || variant == 5) && !promoted)
+        return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): variant %d promotes FP8 sums (fast_accum=0); "
+                       "the call is bf16 or fast_accum=1 (variants 1 to 3)", variant);
     switch (variant) {
-    case 0: return run<Library>(a, stream);
+    case 0: return route(a, stream);
     case 1: return run<Cfg<256, 4, true, 0>>(a, stream);
     case 2: return run<Cfg<256, 3, true, 4>>(a, stream);
     case 3: return run<Cfg<256, 4, false, 2>>(a, stream);
+    case 4: return run<Cfg<128, 6, true, 2, 1>>(a, stream);
+    case 5: return run<Cfg<128, 4, true, 2, 2>>(a, stream);
     default: return sf_fail(SF_ERR_VALUE, "grouped_gemm (sm90 kernel): no variant %d", variant);
     }
 }
