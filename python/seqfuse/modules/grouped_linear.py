@@ -46,10 +46,19 @@ outlives its product (the forward casts the copy it reads, the backward the
 transposed copy from the weights it saved, where TE keeps that one from
 the forward), so no layer holds FP8 weights through the activation peak;
 inference (no gradients) keeps the forward's copy per weight version
-(GroupedLinear._device_fp8_weights).  Where
-the route does not apply (a bias, another dtype or recipe, a HYBRID
-format, whose E5M2 gradients torch's scaled grouped GEMM does not take)
-the counts are read to the host, logged once with the reason.
+(GroupedLinear._device_fp8_weights).  Under DelayedScaling the route is
+DeviceEndsFp8GroupedLinearFunction: the forward's input cast
+(ops.moe.cast_fp8_grouped_ends, each expert's delayed scale) and product
+(seqfuse's sm90 kernel, grouped_gemm_device_ends_fp8) read the counts on
+the device, their host copy is queued in the forward and read by the
+backward, which is the host-count route's; its answers are that route's
+bit for bit.  It needs compute capability 9.0, bfloat16 compute, no bias,
+E4M3 inputs and an amax history for every expert's input (the first
+steps, and an expert that has never received rows, take host counts).
+Where the route does not apply (a bias, another dtype or recipe, a HYBRID
+current-scaling format, whose E5M2 gradients torch's scaled grouped GEMM
+does not take) the counts are read to the host, logged once with the
+reason.
 
 Precision: the GEMMs run in torch.autocast's dtype where it is on, else the
 parameters' dtype.  Under seqfuse's FP8 autocast with host row counts (the
@@ -88,12 +97,12 @@ import torch
 
 from .. import quantization as _q
 from ..common.notes import note_once
-from ..common.recipe import Float8CurrentScaling, Format
+from ..common.recipe import DelayedScaling, Float8CurrentScaling, Format
 from ..ops import moe as moe_ops
 from ..ops import quant as quant_ops
 from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
-from ..quantization import stats
+from ..quantization import recompute, stats
 from ..quantization.grouped import (GroupedFloat8, lean_weights, note_grouped, quantize_grouped,
                                      release_weight_pairs, stacked_weights_fp8, weight_pairs)
 from . import _fp8 as F8
@@ -528,6 +537,8 @@ class GroupedLinear(torch.nn.Module):
         if recipe is ACTIVE_RECIPE:
             recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
         fp8 = recipe is not None
+        if isinstance(recipe, DelayedScaling):
+            return self._delayed_ends_refusal(x, recipe)
         if fp8:
             why = _fp8_device_refusal(recipe)
             if why is not None:
@@ -540,6 +551,43 @@ class GroupedLinear(torch.nn.Module):
             return "FSDP2 manages the weights (one stacked copy per call would stay gathered until the backward)"
         return moe_ops.device_split_refusal(x, compute_dtype(x, self.weight0), (self.in_features, self.out_features),
                                             fp8=fp8)
+
+    def _delayed_ends_refusal(self, x, recipe):
+        """device_split_refusal under DelayedScaling: why the call cannot
+        take DeviceEndsFp8GroupedLinearFunction (the forward's cast and
+        product read the counts on the device; the backward reads their host
+        copy), or None.  Its first forwards always refuse: an expert input's
+        first delayed cast takes its scale from its own amax, which the
+        host-count route's per-expert casts compute."""
+        if stats.enabled():
+            return "FP8 statistics are on (enable_stats; they are taken per cast of the host-count route)"
+        if recompute.open_contexts:
+            return "inside an activation checkpoint (its recompute replays the host-count route's noted scales)"
+        if self.use_bias and not self.return_bias:
+            return "the device-split route adds no bias"
+        if _gq.fsdp2_in_use():
+            return "FSDP2 manages the weights (the device-ends FP8 route is not written for its gathers)"
+        if device_checks.capturing(self.weight0):
+            return "CUDA graph capture (the backward reads the routing counts on the host)"
+        why = moe_ops.sm90_kernel_refusal(x.device)
+        if why is not None:
+            return "the device-ends FP8 route runs seqfuse's sm90 grouped kernel: " + why
+        if x.numel() == 0:
+            return "the input has no rows"
+        if compute_dtype(x, self.weight0) != torch.bfloat16:
+            return f"the sm90 kernel writes bfloat16, this call computes in {compute_dtype(x, self.weight0)}"
+        if self.in_features % 16 or self.out_features % 16:
+            return (f"the device-ends FP8 route needs feature sizes that are multiples of 16, got "
+                    f"{(self.in_features, self.out_features)}")
+        if self.num_gemms > 64:
+            return f"the sm90 kernel takes at most 64 experts, this layer has {self.num_gemms}"
+        q = self._quantizers(recipe, x.device)
+        if q.inputs[0].fp8_dtype != torch.float8_e4m3fn or q.weights[0].fp8_dtype != torch.float8_e4m3fn:
+            return "the sm90 kernel's forward takes E4M3 inputs and weights"
+        if not all(q.state.has_history(3 * g) for g in range(self.num_gemms)):
+            return ("an expert's input has no amax history yet (its first delayed cast takes the scale of its "
+                    "own amax, which the host-count route computes)")
+        return None
 
     @torch.no_grad()
     def reset_parameters(self):
@@ -596,7 +644,7 @@ class GroupedLinear(torch.nn.Module):
         return True
 
     def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None,
-                _refusal=_UNASKED):
+                _refusal=_UNASKED, _counts_wait=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
         call's, None re-quantizes a weight only when it changed; with
@@ -643,7 +691,7 @@ class GroupedLinear(torch.nn.Module):
         cls = "GroupedLinear"
         if swiglu_probs is None:
             check_input(cls, inp, self.in_features, "in_features")
-            return self._apply_to(inp, None, m_splits, is_first_microbatch, m_offsets, _refusal)
+            return self._apply_to(inp, None, m_splits, is_first_microbatch, m_offsets, _refusal, _counts_wait)
         check_input(cls, inp, 2 * self.in_features, "2 x in_features (gate and up, with swiglu_probs)")
         rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
         check_input(cls, swiglu_probs, name="swiglu_probs")
@@ -657,9 +705,9 @@ class GroupedLinear(torch.nn.Module):
                              f"{swiglu_probs.device}")
         # the SwiGLU kernels read both row-major
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
-        return self._apply_to(h, probs, m_splits, is_first_microbatch, m_offsets, _refusal)
+        return self._apply_to(h, probs, m_splits, is_first_microbatch, m_offsets, _refusal, _counts_wait)
 
-    def _apply_to(self, inp, probs, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED):
+    def _apply_to(self, inp, probs, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED, counts_wait=None):
         """forward's body; ``probs`` (None: no SwiGLU): inp holds gate|up
         pairs and probs the SwiGLU's row scales, the SwiGLU computed in the
         route's autograd Function.  ``why``: device_split_refusal's answer
@@ -674,7 +722,7 @@ class GroupedLinear(torch.nn.Module):
             if why is _UNASKED:
                 why = self.device_split_refusal(inp)
             if why is None:
-                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch, probs)
+                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch, probs, counts_wait)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
                       "synchronization per call): %s", why)
             device_checks.check_storage("GroupedLinear", "argument 'm_splits'", m_splits)  # (read below)
@@ -780,25 +828,40 @@ class GroupedLinear(torch.nn.Module):
         d = self.__dict__
         d["fp8_device_weight_transpose_casts"] = d.get("fp8_device_weight_transpose_casts", 0) + 1
 
-    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None, probs=None):
-        """The device-split route (DeviceSplitGroupedLinearFunction) for row
-        counts ``counts`` on the GPU (``offsets``: their device_split_offsets,
-        made here when not given; ``probs``: inp holds gate|up pairs and the
-        layer's input is their SwiGLU scaled by probs, as forward's
-        swiglu_probs)."""
+    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None, probs=None, counts_wait=None):
+        """The device-split route for row counts ``counts`` on the GPU
+        (DeviceSplitGroupedLinearFunction; under FP8 delayed scaling
+        DeviceEndsFp8GroupedLinearFunction) (``offsets``: their
+        device_split_offsets, made here when not given; ``probs``: inp holds
+        gate|up pairs and the layer's input is their SwiGLU scaled by probs,
+        as forward's swiglu_probs; ``counts_wait``: moe_ops.counts_to_host of
+        the counts, which the delayed-scaling form's backward reads, made
+        here when not given: GroupedMLP's two layers share one)."""
         if counts.dim() != 1 or counts.numel() != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row counts, got "
                              f"shape {tuple(counts.shape)}")
         x = gemm_rows(inp.reshape(-1, inp.shape[-1]))
         if offsets is None:
             offsets = moe_ops.device_split_offsets(counts, x.shape[0])
-        if _q.is_fp8_enabled():
-            # the weights' FP8 operands carry what the products read (where no transposed copy is kept,
-            # the backward re-stacks the weights it saved): no stacked copy passes in
-            stacked, fp8 = None, self._device_fp8_weights(is_first_microbatch)
+        recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
+        if isinstance(recipe, DelayedScaling):
+            # the delayed-scaling form: the forward on the device, the backward from the counts' host copy
+            if counts_wait is None:
+                counts_wait = moe_ops.counts_to_host(counts)
+            q = self._quantizers(recipe, x.device)
+            lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
+            overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
+            y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
+                                                         self.num_gemms, (q, is_first_microbatch, overwrite, lean),
+                                                         *self.weights())
         else:
-            stacked, fp8 = self.stacked_weights(), None
-        y = DeviceSplitGroupedLinearFunction.apply(x, probs, offsets, fp8, stacked, *self.weights())
+            if recipe is not None:
+                # the weights' FP8 operands carry what the products read (where no transposed copy is kept,
+                # the backward re-stacks the weights it saved): no stacked copy passes in
+                stacked, fp8 = None, self._device_fp8_weights(is_first_microbatch)
+            else:
+                stacked, fp8 = self.stacked_weights(), None
+            y = DeviceSplitGroupedLinearFunction.apply(x, probs, offsets, fp8, stacked, *self.weights())
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
         return (y, self.biases()) if self.return_bias else y
@@ -1059,52 +1122,195 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        G, q, dtype, splits, padded = ctx.G, ctx.q, ctx.dtype, ctx.m_splits, ctx.padded
-        kind = q.kind
+        G, splits, padded = ctx.G, ctx.m_splits, ctx.padded
         saved = ctx.saved_tensors
         w_modes, x_grouped, x_modes = ctx.modes
+        h = probs = None
         if ctx.swiglu:
             saved, (h, probs) = saved[:-2], saved[-2:]
         w_dg = [(saved[2 * g], saved[2 * g + 1], w_modes[g]) for g in range(G)]
-        x_col = None
-        if x_grouped:
+        if ctx.recast:
+            def x_col():
+                return _swiglu_columns(ctx.q, h, probs, splits, padded)
+        elif x_grouped:
             x_col = _Columns(GroupedFloat8(None, saved[2 * G], saved[2 * G + 1], padded))
         elif x_modes is not None:
             x_col = [(saved[2 * G + 2 * g], saved[2 * G + 2 * g + 1], x_modes[g]) for g in range(G)]
-        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        need_dw = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
-        need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[_FP8_ARGS + G:])
-        weights = ctx.weights
-        dy = moe_ops.dense(dy)
-        # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
-        # which the per-expert casts sum in their own pass)
-        gg = None if need_db else quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx,
-                                                   transpose=need_dw)
-        if gg is not None:
-            g_row, g_col, dbs = gg, _Columns(gg) if need_dw else None, []
         else:
-            g_row, g_col, dbs = _expert_grad_casts(q.grads, dy, splits, kind, ctx.bias_dtypes if need_db else None,
-                                                   need_dx, need_dw)
-        dx = dprobs = None
-        if need_dx:
-            out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
-            dx = _unpad(_grouped(g_row, w_dg, padded, out), splits, padded)
-            if ctx.swiglu:
-                dx, dprobs = moe_ops.swiglu_backward(dx, h, probs, ctx.needs_input_grad[1])
-        dws = [None] * G
-        if need_dw:
-            if ctx.recast:
-                x_col = _swiglu_columns(q, h, probs, splits, padded)
-            mains = [getattr(w, "main_grad", None) for w in weights]
-            if all(m is not None for m in mains):
-                _grouped(g_col, x_col, padded, mains, accumulate=not ctx.overwrite)
-                for w in weights:
-                    mark_main_grad(w)
+            x_col = None
+        return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs)
+
+
+def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=None):
+    """The backward both FP8 grouped Functions share (Fp8GroupedLinearFunction,
+    DeviceEndsFp8GroupedLinearFunction), given the host row counts
+    ``splits`` and their ``padded`` counts: the output gradient cast for
+    every expert in one call (else expert by expert), the input gradient
+    against the weights' dgrad operands ``w_dg`` (per-expert triples; with
+    ``ctx.swiglu`` then the SwiGLU's backward over its input ``h`` and row
+    scales ``probs``), and the weight gradients against the input's
+    transposed FP8 copy ``x_col`` (_operand's forms, or a callable that
+    makes it, called only where a weight gradient is wanted), accumulated
+    into main_grad where every weight has one.  ``ctx`` carries G, q, dtype,
+    K, swiglu, overwrite, bias_dtypes, weights and the Function's
+    needs_input_grad (x and probs first, the weights from _FP8_ARGS on);
+    returns the Function's gradients."""
+    G, q, dtype = ctx.G, ctx.q, ctx.dtype
+    kind = q.kind
+    need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    need_dw = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
+    need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[_FP8_ARGS + G:])
+    weights = ctx.weights
+    dy = moe_ops.dense(dy)
+    # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
+    # which the per-expert casts sum in their own pass)
+    gg = None if need_db else quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx,
+                                               transpose=need_dw)
+    if gg is not None:
+        g_row, g_col, dbs = gg, _Columns(gg) if need_dw else None, []
+    else:
+        g_row, g_col, dbs = _expert_grad_casts(q.grads, dy, splits, kind, ctx.bias_dtypes if need_db else None,
+                                               need_dx, need_dw)
+    dx = dprobs = None
+    if need_dx:
+        out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
+        dx = _unpad(_grouped(g_row, w_dg, padded, out), splits, padded)
+        if ctx.swiglu:
+            dx, dprobs = moe_ops.swiglu_backward(dx, h, probs, ctx.needs_input_grad[1])
+    dws = [None] * G
+    if need_dw:
+        if callable(x_col):
+            x_col = x_col()
+        mains = [getattr(w, "main_grad", None) for w in weights]
+        if all(m is not None for m in mains):
+            _grouped(g_col, x_col, padded, mains, accumulate=not ctx.overwrite)
+            for w in weights:
+                mark_main_grad(w)
+        else:
+            res = _grouped(g_col, x_col, padded, None, out_dtype=F8.wgrad_dtype(weights[0].dtype))
+            dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
+                   for g in range(G)]
+    grads_b = []
+    if ctx.bias_dtypes is not None:
+        grads_b = dbs if need_db else [None] * G
+    return (dx, dprobs, None, None, None, None, None, *dws, *grads_b)
+
+
+def _stacked_fp8_weights(w_forward):
+    """(b [G, N, K], b_scale_inv [G]) of the experts' forward weight
+    operands (per-expert (data, scale_inv, mode) triples) for the
+    device-ends GEMM: their data as one [G, N, K] view where they are
+    consecutive slices of one buffer (what weight_pairs' one-call cast
+    makes), else stacked into one (a copy, logged once); the scale
+    inverses as one [G] tensor (a copy of G floats)."""
+    datas = [op[0] for op in w_forward]
+    d0 = datas[0]
+    G, (N, K) = len(datas), d0.shape
+    step = N * K
+    if (all(d.is_contiguous() and d.shape == d0.shape and d.dtype == d0.dtype for d in datas)
+            and all(d.untyped_storage().data_ptr() == d0.untyped_storage().data_ptr()
+                    and d.storage_offset() == d0.storage_offset() + g * step for g, d in enumerate(datas))):
+        b = d0.as_strided((G, N, K), (step, K, 1))
+    else:
+        note_grouped("the experts' FP8 weights were not cast into one buffer (cast expert by expert): the "
+                     "device-ends route stacks them (a copy of each) for its one grouped product")
+        b = torch.stack(datas)
+    return b, torch.stack([op[1].reshape(()) for op in w_forward])
+
+
+class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
+    """Autograd of y_g = x_g W_g^T under FP8 delayed scaling with the row
+    counts on the GPU (the device-split route's delayed-scaling form): the
+    forward waits on nothing the GPU computes.  forward(x [M, in] (or
+    [M, 2 in] gate|up pairs with ``probs`` [M]: the layer's input is their
+    scaled SwiGLU, cast in the same pass), probs or None, offsets
+    (device_split_offsets of the counts), counts_wait (moe_ops.counts_to_host
+    of the counts: queued in the forward, read in the backward), dtype,
+    num_gemms, (quantizers, is_first_microbatch, overwrite, lean), *weights).
+
+    Forward: the input cast with each expert's delayed scale by
+    ops.moe.cast_fp8_grouped_ends (the groups' ends read on the device, the
+    amaxes folded into the state's slots as the host-count cast folds them,
+    each row cast in place: no padding), the experts' weights cast as the
+    host-count route casts them (weight_pairs), and the product by the sm90
+    kernel with the ends on the device (grouped_gemm_device_ends_fp8); the
+    output has the input's rows.  Backward: the counts, copied to the host
+    during the forward, have long landed; with them the backward is the
+    host-count route's (_fp8_grouped_backward): the output gradient cast
+    per expert into 16-row padded blocks, the input gradient and weight
+    gradients by cuBLASLt or the grouped kernel.  The weight gradient's
+    operand, the input's transposed FP8 copy, is made in the backward from
+    the input this Function saves (x, or the gate|up pairs and row scales
+    the SwiGLU's backward keeps anyway) with the scales the forward's cast
+    used (a copy of the G scales taken then): the same bytes as a
+    transposed copy made in the forward, the forward writing only the
+    row-wise copy its product reads."""
+
+    @staticmethod
+    def forward(ctx, x, probs, offsets, counts_wait, dtype, G, qargs, *weights):
+        q, first, overwrite, lean = qargs
+        swiglu = probs is not None
+        need_w = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        x = x.detach()
+        probs = probs.detach() if swiglu else None
+        pairs = weight_pairs(q, weights, first)
+        b, b_si = _stacked_fp8_weights([F8.weight_forward(p, "delayed") for p in pairs])
+        scale, amax = q.state.role_slots(0, 3)
+        fp8_dtype = q.inputs[0].fp8_dtype
+        scale_used = scale.clone() if need_w else None  # (the state's scales change at the autocast exit)
+        xq, x_si = moe_ops.cast_fp8_grouped_ends(x, offsets, fp8_dtype, scale=scale, amax=amax, swiglu=swiglu,
+                                                 probs=probs)
+        y = moe_ops.grouped_gemm_device_ends_fp8(xq, x_si, b, b_si, offsets)
+        del xq, b
+        w_dg = [F8.weight_dgrad(p, "delayed") for p in pairs] if need_dx else []
+        saved = [t for op in w_dg for t in F8.weight_saved(op)]
+        if lean:  # the forward operand's bytes go with this call's references to them
+            release_weight_pairs(q)
+        # the input the weight gradient's transposed copy is made from, and the SwiGLU's backward reads
+        ctx.swiglu = swiglu and need_dx
+        keep = need_w or ctx.swiglu
+        if keep:
+            saved += [x, probs] if swiglu else [x]
+        if need_w:
+            saved.append(scale_used)
+        ctx.save_for_backward(*saved)
+        ctx.w_modes = [op[2] for op in w_dg]
+        ctx.keep, ctx.has_probs, ctx.fp8_dtype = keep, swiglu, fp8_dtype
+        ctx.counts_wait, ctx.rows = counts_wait, x.shape[0]
+        ctx.q, ctx.G, ctx.dtype, ctx.overwrite = q, G, dtype, overwrite
+        ctx.K = x.shape[1] // 2 if swiglu else x.shape[1]
+        ctx.weights, ctx.bias_dtypes = weights, None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        G = ctx.G
+        saved = list(ctx.saved_tensors)
+        n_w = len(ctx.w_modes)
+        w_dg = [(saved[2 * g], saved[2 * g + 1], ctx.w_modes[g]) for g in range(n_w)]
+        rest = saved[2 * n_w:]
+        x = h = probs = scale_used = None
+        if ctx.keep:
+            if ctx.has_probs:
+                h, probs, rest = rest[0], rest[1], rest[2:]
             else:
-                res = _grouped(g_col, x_col, padded, None, out_dtype=F8.wgrad_dtype(weights[0].dtype))
-                dws = [res[g] if res.dtype == weights[g].dtype else res[g].to(weights[g].dtype)
-                       for g in range(G)]
-        grads_b = []
-        if ctx.bias_dtypes is not None:
-            grads_b = dbs if need_db else [None] * G
-        return (dx, dprobs, None, None, None, None, None, *dws, *grads_b)
+                x, rest = rest[0], rest[1:]
+        if rest:
+            scale_used = rest[0]
+        splits = [int(m) for m in ctx.counts_wait()]
+        if len(splits) != G or any(m < 0 for m in splits) or sum(splits) != ctx.rows:
+            raise RuntimeError(f"GroupedLinear: the routing counts read in the backward ({splits}) are not "
+                               f"{G} non-negative counts adding up to the forward's {ctx.rows} rows")
+        padded = tuple(_gq.padded_rows(m) for m in splits)
+        fp8_dtype = ctx.fp8_dtype
+
+        def x_col():
+            if ctx.has_probs:
+                _, data_t, si = moe_ops.swiglu_cast_fp8_grouped(h, probs, splits, fp8_dtype, scale=scale_used,
+                                                                rowwise=False, transpose=True)
+            else:
+                _, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=scale_used, rowwise=False,
+                                                         transpose=True)
+            return _Columns(GroupedFloat8(None, data_t, si, padded))
+        return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs)

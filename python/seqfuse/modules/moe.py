@@ -65,6 +65,7 @@ import torch
 
 from .. import quantization as _q
 from ..common.notes import note_once
+from ..common.recipe import DelayedScaling
 from ..ops import moe as moe_ops
 from ._base import default_device, init_weight
 from ._input import check_input
@@ -226,9 +227,14 @@ class GroupedMLP(RoutedExperts):
             offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0])  # one set for both GEMMs
             # the refusal asked above covers both layers (of the rows it reads only their device and
             # whether there are any, which xp and h share with x): neither layer asks again
-            h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets, _refusal=None)
+            # under FP8 delayed scaling the backward reads the counts on the host: one copy for both layers,
+            # queued now, long landed by then
+            delayed = _q.is_fp8_enabled() and isinstance(_q.get_recipe(), DelayedScaling)
+            wait = moe_ops.counts_to_host(tokens_per_expert) if delayed else None
+            h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets, _refusal=None,
+                         _counts_wait=wait)
             y = self.fc2(h, tokens_per_expert, is_first_microbatch, swiglu_probs=pp, m_offsets=offsets,
-                         _refusal=None)
+                         _refusal=None, _counts_wait=wait)
             return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
         # the block's one host synchronization, the per-expert counts: their copy is queued now and
         # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile

@@ -53,7 +53,8 @@ from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
 # dense (ops._call's) is exported here for the grouped modules' and quantizers' gradients
-__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "grouped_gemm_device_fp8", "device_split_offsets",
+__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "grouped_gemm_device_fp8", "grouped_gemm_device_ends_fp8",
+           "sm90_kernel_refusal", "device_split_offsets",
            "device_split_refusal", "cast_fp8_grouped", "cast_fp8_grouped_ends", "cast_fp8_current_list", "cast_fp8_current_stacked",
            "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
@@ -433,6 +434,48 @@ def device_split_refusal(x, dtype, features, fp8=False):
         return (f"the device-split route runs torch._grouped_mm's Hopper kernel (compute capability 9.0), this "
                 f"GPU is {cap[0]}.{cap[1]}")
     return None
+
+
+def sm90_kernel_refusal(device):
+    """Why seqfuse's persistent Hopper grouped kernel (the one route that reads
+    the groups' ends on the device: grouped_gemm_device(kernel="sm90"),
+    grouped_gemm_device_ends_fp8) cannot run on ``device``, or None where it
+    can: a CUDA device of compute capability 9.0 and a build with sm_90a
+    code."""
+    if device.type != "cuda":
+        return "the tensors are not on a CUDA device"
+    cap = capability_of(device)
+    if cap != (9, 0):
+        return f"the sm90 grouped kernel runs on compute capability 9.0, this GPU is {cap[0]}.{cap[1]}"
+    archs = str(_C.build_info().get("cuda_archs") or "")
+    if "90a" not in archs.replace(",", ";").split(";"):
+        return f"this build of seqfuse has no sm_90a code for the sm90 grouped kernel (SEQFUSE_CUDA_ARCHS: {archs})"
+    return None
+
+
+def grouped_gemm_device_ends_fp8(a, a_scale_inv, b, b_scale_inv, offsets):
+    """The FP8 forward product with the groups' ends on the device:
+    out [M, N] (bfloat16) with out_g = a_g @ b_g^T * a_scale_inv[g] *
+    b_scale_inv[g] for a [M, K] float8_e4m3fn split by ``offsets`` (the
+    groups' end rows, int32 [G], :func:`device_split_offsets`), b [G, N, K]
+    float8_e4m3fn, the scale inverses float32 [G] (any element stride).
+    Per-tensor scales per group (delayed or current scaling's), not the
+    row-wise ones of :func:`grouped_gemm_device_fp8`; fast accumulation.
+    seqfuse's sm90 kernel only (_C.grouped_gemm_device_ends: compute
+    capability 9.0, K a multiple of 16, N of 8); the rows past the last end
+    are not written; a call it cannot take is refused with its rule."""
+    op = "grouped_gemm_device_ends_fp8"
+    a, b = detached(_tensor(op, "a", a)), detached(_tensor(op, "b", b))
+    offsets = _offsets_arg(op, offsets)
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{op}: argument '{name}' must be float8_e4m3fn, got {t.dtype}")
+    if a.dim() != 2 or b.dim() != 3 or b.shape[0] != offsets.shape[0]:
+        raise ValueError(f"{op}: takes a [M, K], b [G, N, K] and offsets [G], got {tuple(a.shape)}, "
+                         f"{tuple(b.shape)} and {tuple(offsets.shape)}")
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    _C.grouped_gemm_device_ends(dense(a), b, dense(offsets), a_scale_inv, b_scale_inv, out, stream_for(a))
+    return out
 
 
 def _offsets_arg(op, offsets):

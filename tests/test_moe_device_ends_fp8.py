@@ -1,0 +1,208 @@
+"""The device-split route under FP8 delayed scaling
+(DeviceEndsFp8GroupedLinearFunction): the forward casts with the groups'
+ends on the device (ops.moe.cast_fp8_grouped_ends) and multiplies by the
+sm90 kernel reading them there (grouped_gemm_device_ends_fp8); the backward
+reads the counts' host copy and is the host-count route's.
+
+The route's answer is the host-count route's bit for bit: the same input
+bytes (each row cast with its expert's scale, padded or not), the same
+per-row products, the same backward, and the weight gradient's transposed
+copy made in the backward with the forward's scales equals the one the
+host route makes in its forward.  On the CPU (both ops have CPU
+references) the Function is driven directly with the route's kernel check
+stubbed out; on CUDA a GroupedMLP takes the route by itself and is held to
+the host-count GroupedMLP over training steps, and its forward waits on
+nothing the GPU computes."""
+import copy
+
+import pytest
+import torch
+
+from seqfuse.common import notes as notes_module
+from seqfuse.common.recipe import DelayedScaling, Format
+from seqfuse.modules import GroupedLinear, GroupedMLP
+from seqfuse.modules import grouped_linear as gl_module
+from seqfuse.ops import moe as moe_ops
+from seqfuse.quantization import fp8_autocast
+
+from helpers import needs_fp8, no_host_sync
+
+pytestmark = needs_fp8
+
+SPLITS = [5, 0, 19, 8]
+WARM = [8, 8, 8, 8]  # (every expert's first cast: an expert that never had rows has no history)
+
+
+def _layer(G=4, k=32, n=48, bias=False):
+    torch.manual_seed(0)
+    return GroupedLinear(G, k, n, bias=bias, params_dtype=torch.bfloat16, device="cpu")
+
+
+def _warm(layers, x, splits, recipe, probs=None):
+    """One host-route training step of each of ``layers`` in one autocast
+    region (the experts' first delayed casts, whose amaxes give every slot a
+    history at the region's exit; one region, so that every state is
+    updated as often as the other)."""
+    with fp8_autocast(fp8_recipe=recipe):
+        ys = [layer(x, splits, swiglu_probs=probs) if probs is not None else layer(x, splits) for layer in layers]
+    for layer, y in zip(layers, ys):
+        y.float().sum().backward()
+        layer.zero_grad(set_to_none=True)
+
+
+def test_refusals_name_their_rule(monkeypatch):
+    recipe = DelayedScaling()
+    x = torch.randn(4, 32)
+    with fp8_autocast(fp8_recipe=recipe):
+        assert "sm90 grouped kernel: the tensors are not on a CUDA device" in _layer().device_split_refusal(x)
+        assert "adds no bias" in _layer(bias=True).device_split_refusal(x)
+        monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+        assert "writes bfloat16, this call computes in torch.float32" in \
+            GroupedLinear(2, 32, 32, bias=False, device="cpu").device_split_refusal(x)
+        assert "multiples of 16" in GroupedLinear(2, 32, 40, bias=False, params_dtype=torch.bfloat16,
+                                                  device="cpu").device_split_refusal(x)
+        assert "no amax history" in _layer().device_split_refusal(x.bfloat16())
+    layer = _layer()
+    _warm([layer], torch.randn(32, 32).bfloat16(), WARM, recipe)
+    with fp8_autocast(fp8_recipe=recipe):
+        assert layer.device_split_refusal(torch.randn(4, 32).bfloat16()) is None
+
+
+def test_stacked_weights_view_or_copy(caplog, monkeypatch):
+    buf = torch.arange(3 * 16 * 32, dtype=torch.uint8).view(3, 16, 32).view(torch.float8_e4m3fn)
+    si = torch.tensor([1.0, 2.0, 3.0])
+    ops = [(buf[g], si[g:g + 1], None) for g in range(3)]
+    b, b_si = gl_module._stacked_fp8_weights(ops)
+    assert b.data_ptr() == buf.data_ptr() and b.shape == (3, 16, 32) and torch.equal(b_si, si)
+    apart = [(buf[g].clone(), si[g:g + 1], None) for g in range(3)]
+    monkeypatch.setattr(notes_module, "_noted", set())  # this process's earlier notes forgotten
+    with caplog.at_level("INFO", logger="seqfuse"):
+        b2, _ = gl_module._stacked_fp8_weights(apart)
+    assert b2.data_ptr() != buf.data_ptr()
+    assert torch.equal(b2.view(torch.uint8), buf.view(torch.uint8))
+    assert "stacks them (a copy of each)" in caplog.text
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
+def test_route_equals_host_route_bit_for_bit_on_cpu(swiglu, fmt, monkeypatch, seed):
+    """Two steps after the warm one: the output, the input (and probs)
+    gradients, the weight gradients and the scaling state after each step."""
+    recipe = DelayedScaling(fp8_format=fmt)
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    M, k = sum(SPLITS), 32
+    width = 2 * k if swiglu else k
+    host, dev = _layer(), _layer()  # (the same weights; a deep copy's state would note no first casts)
+    probs = torch.rand(M) if swiglu else None
+    _warm([host, dev], torch.randn(M, width).bfloat16(), WARM, recipe, probs)
+    counts = torch.tensor(SPLITS)
+    for step in range(2):
+        x = (torch.randn(M, width) * (step + 1)).bfloat16()
+        dy = torch.randn(M, 48).bfloat16()
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        ps = [probs.clone().requires_grad_(), probs.clone().requires_grad_()] if swiglu else [None, None]
+        with fp8_autocast(fp8_recipe=recipe):
+            yh = host(xs[0], SPLITS, swiglu_probs=ps[0]) if swiglu else host(xs[0], SPLITS)
+            assert dev.device_split_refusal(xs[1]) is None
+            yd = dev._device_split(xs[1], counts, None, None, ps[1])
+        assert yd.grad_fn.name().startswith("DeviceEndsFp8GroupedLinearFunction")
+        yh.backward(dy)
+        yd.backward(dy)
+        assert torch.equal(yh, yd), step
+        assert torch.equal(xs[0].grad, xs[1].grad), step
+        if swiglu:
+            assert torch.equal(ps[0].grad, ps[1].grad), step
+        for (n, ph), (_, pd) in zip(host.named_parameters(), dev.named_parameters()):
+            assert torch.equal(ph.grad, pd.grad), (step, n)
+        qh, qd = host._quantizers(recipe, "cpu"), dev._quantizers(recipe, "cpu")
+        for a, b in zip(qh.state.state_dict().values(), qd.state.state_dict().values()):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), step
+        host.zero_grad(set_to_none=True)
+        dev.zero_grad(set_to_none=True)
+
+
+def test_backward_refuses_counts_that_do_not_add_up(monkeypatch, seed):
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    recipe = DelayedScaling()
+    layer = _layer()
+    _warm([layer], torch.randn(32, 32).bfloat16(), WARM, recipe)
+    x = torch.randn(32, 32).bfloat16().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer._device_split(x, torch.tensor(SPLITS), None, None, None, lambda: [5, 0, 19, 7])
+    with pytest.raises(RuntimeError, match="routing counts read in the backward .* 32 rows"):
+        y.float().sum().backward()
+
+
+@pytest.mark.cuda
+def test_grouped_mlp_takes_the_route_and_trains_as_the_host_route(seed):
+    """A bfloat16 GroupedMLP under DelayedScaling: the first step reads the
+    counts to the host (no history yet), the next ones take the route
+    without a synchronizing call in the forward, and every step's output,
+    input gradient and parameter gradients equal the host-count GroupedMLP's
+    bit for bit (the same weights and scaling state throughout)."""
+    recipe = DelayedScaling()
+    dev = GroupedMLP(256, 512, 8, 2, params_dtype=torch.bfloat16, device="cuda")
+    host = copy.deepcopy(dev)
+    host.device_splits = False
+    calls = []
+    real = gl_module.DeviceEndsFp8GroupedLinearFunction.apply
+    gl_module.DeviceEndsFp8GroupedLinearFunction.apply = lambda *a: calls.append(1) or real(*a)
+    try:
+        for step in range(4):
+            x = torch.randn(3, 333, 256, device="cuda").bfloat16()
+            g = torch.randn(3, 333, 256, device="cuda").bfloat16()
+            xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+            # both forwards in one autocast region (its exit updates every scaling state once)
+            with fp8_autocast(fp8_recipe=recipe):
+                yh = host(xs[0])
+                if step > 0:
+                    with no_host_sync():
+                        yd = dev(xs[1])
+                else:
+                    yd = dev(xs[1])
+            outs = [yh, yd]
+            for y in outs:
+                (y * g).float().sum().backward()
+            assert torch.equal(outs[0], outs[1]), step
+            assert torch.equal(xs[0].grad, xs[1].grad), step
+            for (n, ph), (_, pd) in zip(host.named_parameters(), dev.named_parameters()):
+                assert torch.equal(ph.grad, pd.grad), (step, n)
+            with torch.no_grad():
+                for ph, pd in zip(host.parameters(), dev.parameters()):
+                    ph.add_(ph.grad, alpha=-1e-3)
+                    pd.add_(pd.grad, alpha=-1e-3)
+            host.zero_grad(set_to_none=True)
+            dev.zero_grad(set_to_none=True)
+            assert len(calls) == (0 if step == 0 else 2 * step), step
+    finally:
+        gl_module.DeviceEndsFp8GroupedLinearFunction.apply = real
+
+
+@pytest.mark.cuda
+def test_ends_gemm_fp8_matches_the_padded_host_product(seed):
+    """grouped_gemm_device_ends_fp8 against ops.moe.grouped_gemm over the
+    same FP8 operands with the groups padded to 16 rows (the host-count
+    route's layout): equal bit for bit, row by row."""
+    f8 = torch.float8_e4m3fn
+    G, N, K = 5, 96, 128
+    splits = [33, 0, 17, 64, 1]
+    M = sum(splits)
+    a = (torch.randn(M, K, device="cuda") * 4).to(f8)
+    b = (torch.randn(G, N, K, device="cuda") * 4).to(f8)
+    sa = torch.rand(G, device="cuda") + 0.5
+    sb = torch.rand(G, device="cuda") + 0.5
+    ends = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+    got = moe_ops.grouped_gemm_device_ends_fp8(a, sa, b, sb, ends)
+    padded = [-(-m // 16) * 16 for m in splits]
+    ap = torch.zeros(sum(padded), K, device="cuda").to(f8)
+    r = p = 0
+    for m, mp in zip(splits, padded):
+        ap[p:p + m] = a[r:r + m]
+        r, p = r + m, p + mp
+    want = moe_ops.grouped_gemm(ap, list(b.unbind(0)), padded, transb=True, a_scale_inv=sa, b_scale_inv=sb,
+                                fast_accum=True)
+    r = p = 0
+    for m, mp in zip(splits, padded):
+        assert torch.equal(got[r:r + m], want[p:p + m])
+        r, p = r + m, p + mp
