@@ -63,6 +63,11 @@ Rows (``--rows``):
                       (the same tokens and causal windows as the packed
                       rows): what the step gives once its host work is two
                       graph launches a layer;
+  seqfuse_fp8_delayed_hostsplits_torch_adamw
+                      seqfuse_fp8_delayed_torch_adamw with the routing counts
+                      read to the host in every MoE block, the route delayed
+                      scaling took before its device-ends form (the forward's
+                      cast and product reading the counts on the GPU);
   seqfuse_bf16_hostsplits_torch_adamw
                       seqfuse_bf16_torch_adamw with the routing counts read
                       to the host in every MoE block (GroupedMLP's
@@ -121,7 +126,8 @@ from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 from seqfuse import _C  # noqa: E402
 
-ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
+ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed_hostsplits_torch_adamw",
+        "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw", "seqfuse_fp8_current_e4m3_torch_adamw",
         "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw", "seqfusegraph_bf16_torch_adamw",
