@@ -302,11 +302,15 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         groups share the GPU's waves, and the call costs one launch of host
         work): the forward form only (a and out split, b a list or [G, n,
         k], transb=True, no bias, no accumulate, at most 64 groups),
-        bfloat16, or e4m3 with per-tensor scales and fast_accum=True, to a
-        bfloat16 out; k and n multiples of 16 bytes.  "auto" takes it where
-        the call fits and it measured faster on an H100: e4m3 (10 of 12
-        Mixtral-small rows; it lost 16 experts' balanced up projection by
-        about 12 %), and bf16 where the average group has at most two waves
+        bfloat16 x bfloat16, or FP8 with per-tensor scales: e4m3 x e4m3, or
+        e5m2 x e4m3 (the HYBRID format's input gradient), with
+        fast_accum=True or False (False: each 128-long block of k summed
+        apart and added into float32, in 128 x 128 tiles), to a bfloat16
+        out; k and n multiples of 16 bytes.  "auto" takes it where the call
+        fits and it measured faster on an H100: e4m3 with fast accumulation
+        (10 of 12 Mixtral-small rows; it lost 16 experts' balanced up
+        projection by about 12 %), every other FP8 form (not yet timed
+        against cuBLASLt), and bf16 where the average group has at most two waves
         of the SMs in 128 x 256 output tiles (every Mixtral-small down projection, the up
         projection at 64 experts; larger groups ran faster one cuBLASLt
         call each) and otherwise runs one cuBLASLt call per group
