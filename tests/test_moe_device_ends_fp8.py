@@ -74,6 +74,10 @@ def test_stacked_weights_view_or_copy(caplog, monkeypatch):
     ops = [(buf[g], si[g:g + 1], None) for g in range(3)]
     b, b_si = gl_module._stacked_fp8_weights(ops)
     assert b.data_ptr() == buf.data_ptr() and b.shape == (3, 16, 32) and torch.equal(b_si, si)
+    assert b_si.data_ptr() == si.data_ptr()  # (views, no copies)
+    spaced = torch.arange(3 * 64, dtype=torch.float32).view(3, 64)[:, 0]  # (the list cast's scale inverses)
+    _, b_si = gl_module._stacked_fp8_weights([(buf[g], spaced[g:g + 1], None) for g in range(3)])
+    assert b_si.data_ptr() == spaced.data_ptr() and b_si.stride() == (64,) and torch.equal(b_si, spaced)
     apart = [(buf[g].clone(), si[g:g + 1], None) for g in range(3)]
     monkeypatch.setattr(notes_module, "_noted", set())  # this process's earlier notes forgotten
     with caplog.at_level("INFO", logger="seqfuse"):
@@ -83,43 +87,84 @@ def test_stacked_weights_view_or_copy(caplog, monkeypatch):
     assert "stacks them (a copy of each)" in caplog.text
 
 
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
-@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
-def test_route_equals_host_route_bit_for_bit_on_cpu(swiglu, fmt, monkeypatch, seed):
-    """Two steps after the warm one: the output, the input (and probs)
-    gradients, the weight gradients and the scaling state after each step."""
-    recipe = DelayedScaling(fp8_format=fmt)
-    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+def _same(a, b, what):
+    assert (a is None) == (b is None), what
+    if a is not None:
+        assert torch.equal(a, b), what
+
+
+def _compare_routes(recipe, swiglu, x_grad=True, p_grad=True, w_grad=True, firsts=(None, None), main_grad=False):
+    """A host-route layer and a device-ends one (the same weights, warmed
+    alike in one autocast region), stepped through ``firsts``
+    (is_first_microbatch per step): the outputs, input / probs / weight
+    gradients (or main_grads) and scaling states equal bit for bit."""
     M, k = sum(SPLITS), 32
     width = 2 * k if swiglu else k
     host, dev = _layer(), _layer()  # (the same weights; a deep copy's state would note no first casts)
     probs = torch.rand(M) if swiglu else None
     _warm([host, dev], torch.randn(M, width).bfloat16(), WARM, recipe, probs)
+    for layer in (host, dev):
+        for w in layer.parameters():
+            w.requires_grad_(w_grad)
+            if main_grad:
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
     counts = torch.tensor(SPLITS)
-    for step in range(2):
+    for step, first in enumerate(firsts):
         x = (torch.randn(M, width) * (step + 1)).bfloat16()
         dy = torch.randn(M, 48).bfloat16()
-        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-        ps = [probs.clone().requires_grad_(), probs.clone().requires_grad_()] if swiglu else [None, None]
+        xs = [x.clone().requires_grad_(x_grad), x.clone().requires_grad_(x_grad)]
+        ps = [probs.clone().requires_grad_(p_grad), probs.clone().requires_grad_(p_grad)] if swiglu else [None, None]
         with fp8_autocast(fp8_recipe=recipe):
-            yh = host(xs[0], SPLITS, swiglu_probs=ps[0]) if swiglu else host(xs[0], SPLITS)
+            yh = host(xs[0], SPLITS, first, swiglu_probs=ps[0]) if swiglu else host(xs[0], SPLITS, first)
             assert dev.device_split_refusal(xs[1]) is None
-            yd = dev._device_split(xs[1], counts, None, None, ps[1])
-        assert yd.grad_fn.name().startswith("DeviceEndsFp8GroupedLinearFunction")
-        yh.backward(dy)
-        yd.backward(dy)
-        assert torch.equal(yh, yd), step
-        assert torch.equal(xs[0].grad, xs[1].grad), step
+            yd = dev._device_split(xs[1], counts, None, first, ps[1])
+        _same(yh, yd, ("y", step))
+        if yd.requires_grad:
+            assert yd.grad_fn.name().startswith("DeviceEndsFp8GroupedLinearFunction")
+            yh.backward(dy)
+            yd.backward(dy)
+        _same(xs[0].grad, xs[1].grad, ("dx", step))
         if swiglu:
-            assert torch.equal(ps[0].grad, ps[1].grad), step
+            _same(ps[0].grad, ps[1].grad, ("dprobs", step))
         for (n, ph), (_, pd) in zip(host.named_parameters(), dev.named_parameters()):
-            assert torch.equal(ph.grad, pd.grad), (step, n)
+            _same(ph.grad, pd.grad, (step, n))
+            if main_grad:
+                _same(ph.main_grad, pd.main_grad, (step, n, "main_grad"))
         qh, qd = host._quantizers(recipe, "cpu"), dev._quantizers(recipe, "cpu")
         for a, b in zip(qh.state.state_dict().values(), qd.state.state_dict().values()):
             if isinstance(a, torch.Tensor):
-                assert torch.equal(a, b), step
+                _same(a, b, ("state", step))
         host.zero_grad(set_to_none=True)
         dev.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3])
+def test_route_equals_host_route_bit_for_bit_on_cpu(swiglu, fmt, monkeypatch, seed):
+    """Two steps after the warm one: the output, the input (and probs)
+    gradients, the weight gradients and the scaling state after each step."""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    _compare_routes(DelayedScaling(fp8_format=fmt), swiglu)
+
+
+@pytest.mark.parametrize("swiglu,x_grad,p_grad,w_grad", [
+    (False, False, False, True),   # the input needs no gradient (a first layer)
+    (False, True, False, False),   # frozen experts
+    (True, False, True, True),     # the probabilities' gradient alone of the two inputs
+    (True, True, False, False),    # the gate|up pairs alone, experts frozen
+    (True, False, False, False),   # no gradient at all (evaluation under autocast)
+], ids=["no_dx", "frozen", "probs_only", "h_only_frozen", "none"])
+def test_route_equals_host_route_for_every_gradient_set(swiglu, x_grad, p_grad, w_grad, monkeypatch, seed):
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    _compare_routes(DelayedScaling(), swiglu, x_grad, p_grad, w_grad)
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_route_equals_host_route_over_micro_batches_into_main_grad(swiglu, monkeypatch, seed):
+    """is_first_microbatch True, False, False (the weights cast once and
+    kept), the weight gradients accumulated into float32 main_grad."""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    _compare_routes(DelayedScaling(), swiglu, firsts=(True, False, False), main_grad=True)
 
 
 def test_backward_refuses_counts_that_do_not_add_up(monkeypatch, seed):

@@ -345,10 +345,10 @@ static sf_status try_sm90(const sf_grouped_gemm_args *args, sf_stream stream, in
     *form = 1;
     if ((*why = sf_grouped_sm90_device_unfit(args->a->device_id)) != NULL)
         return SF_OK; /* (before any per-group work: a GPU that is not Hopper pays nothing here) */
-    /* (a's dtype: FP8, e4m3 or e5m2 and either accumulation, always takes the kernel; bf16 by its groups' tiles) */
+    /* (the measured rule: sf_grouped_sm90_pays) */
     if (args->kernel == SF_GROUPED_KERNEL_AUTO &&
-        !sf_grouped_sm90_pays(args->m_splits, args->num_groups, args->out->shape[1], args->a->dtype,
-                              args->a->device_id)) {
+        !sf_grouped_sm90_pays(args->m_splits, args->num_groups, args->out->shape[1], args->a->shape[1],
+                              args->a->dtype, args->fast_accum, args->a->device_id)) {
         *form = 0; /* (cuBLASLt is the faster route here, not a fallback: nothing to note) */
         return SF_OK;
     }

@@ -85,26 +85,32 @@ const char *sf_grouped_sm90_device_unfit(int device_id);
 const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
 
 /* 1 when the kernel is the faster route for groups of m_splits rows, n
- * output columns and a's element type dtype on device_id, 0 when one
- * cuBLASLt call per group is (or no group has rows): FP8 (a e4m3 or e5m2)
- * always, fast_accum either way; bf16 where the average group with rows has
- * at most two waves of the device's SMs in output tiles of 128 x 256 (so
- * each group's own GEMM ends in a partial wave, and its host work is paid G
- * times).  Measured on an H100 (s46, benchmarks/moe/bench_grouped_gemm.py,
- * Mixtral-small's experts, 32,768 routed rows, random operands, against the
- * per-expert cuBLASLt route with lanes in the same process): bf16 the kernel
- * won every down projection (n = 1,024: 8 experts 697-728 against 650-716
- * TFLOP/s, 16 experts 714-726 against 546-629, 64 experts 574-638 against
- * 353-407) and the up projection at 64 experts (112 tiles a group: 533-548
- * against 500-530), and lost it at 8 and 16 experts (448+ tiles a group:
- * 597-718 against 672-725); e4m3 it won 10 of 12 rows (8 experts 1,157-1,210
- * against 1,004-1,135; it lost 16 experts' balanced up projection, 993-1,031
- * against 1,120-1,201, in two runs).  e5m2 x e4m3 and the promoted
- * (fast_accum=0) shape take the FP8 rule unmeasured: written without a GPU,
- * they are timed against the per-expert cuBLASLt route with fast_accum=0
- * by bin/check_grouped_sm90's "bench dgrad" lines (Mixtral-small's input
- * gradients), which are to confirm or revise this. */
-int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id);
+ * output columns, reduction length k, a's element type dtype and
+ * fast_accum on device_id, 0 when one cuBLASLt call per group is (or no
+ * group has rows): FP8 (a e4m3 or e5m2) with fast accumulation always;
+ * FP8 with split accumulation (fast_accum=0, the promoted 128 x 128 shape)
+ * where k is at most 4,096 or there are more than 16 groups; bf16 where
+ * the average group with rows has at most two waves of the device's SMs in
+ * output tiles of 128 x 256 (so each group's own GEMM ends in a partial
+ * wave, and its host work is paid G times).  Measured on an H100
+ * (benchmarks/moe/bench_grouped_gemm.py and bin/check_grouped_sm90's
+ * "bench dgrad" lines, Mixtral-small's experts, 32,768 routed rows, against
+ * the per-expert cuBLASLt route in the same process): bf16 (s46) the
+ * kernel won every down projection (n = 1,024: 8 experts 697-728 against
+ * 650-716 TFLOP/s, 16 experts 714-726 against 546-629, 64 experts 574-638
+ * against 353-407) and the up projection at 64 experts (112 tiles a group:
+ * 533-548 against 500-530), and lost it at 8 and 16 experts (448+ tiles a
+ * group: 597-718 against 672-725); e4m3 fast (s46) it won 10 of 12 rows (8
+ * experts 1,157-1,210 against 1,004-1,135; it lost 16 experts' balanced up
+ * projection, 993-1,031 against 1,120-1,201, in two runs); split (s47, the
+ * input gradients, e5m2 x e4m3 and e4m3 x e4m3 alike) it won at k = 1,024
+ * (8 experts 1,008-1,061 against 961-1,011, 1.05-1.09x; 64 experts 722-816
+ * against 427-476) and at 64 experts with k = 7,168 (1,088-1,262 against
+ * 790-1,063 with lanes), and lost 8 experts at k = 7,168 (1,138-1,198
+ * against 1,333-1,518, 0.78-0.85x: the promotion every 128 of k costs the
+ * long reductions most).  16 experts are not measured. */
+int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int64_t k, sf_dtype dtype, int fast_accum,
+                         int device_id);
 
 /* Launches the kernel on `stream` (args checked by sf_grouped_sm90_unfit
  * first; a failure there is returned as SF_ERR_VALUE with that rule) in

@@ -659,7 +659,8 @@ int kind_of(const sf_grouped_sm90_args *a)
 
 extern "C" const char *sf_grouped_sm90_device_unfit(int device_id) { return device_unfit(device_id); }
 
-extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, sf_dtype dtype, int device_id)
+extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int64_t k, sf_dtype dtype,
+                                    int fast_accum, int device_id)
 {
     int64_t tiles = 0;
     int busy = 0;
@@ -671,7 +672,11 @@ extern "C" int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t
         }
     /* (no rows at all: nothing to run, so nothing to choose or note) */
     const bool fp8 = dtype == SF_FLOAT8_E4M3 || dtype == SF_FLOAT8_E5M2;
-    return busy > 0 && (fp8 || tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id));
+    if (busy == 0)
+        return 0;
+    if (fp8)
+        return fast_accum || k <= 4096 || groups > 16;
+    return tiles <= 2 * (int64_t)busy * sf_cuda_sm_count(device_id);
 }
 
 extern "C" const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *a)

@@ -86,9 +86,11 @@ typedef struct sf_grouped_gemm_args {
 } sf_grouped_gemm_args;
 
 /* Kernel: which CUDA code runs the groups.
- *   AUTO      the sm90 kernel where the call fits it and pays (e4m3; bf16 where
- *             the average group's 128 x 256 output tiles are at most two waves
- *             of the SMs: sf_grouped_sm90_pays), else cuBLASLt per group;
+ *   AUTO      the sm90 kernel where the call fits it and pays (FP8 with fast
+ *             accumulation; FP8 with split accumulation where k <= 4,096 or
+ *             more than 16 groups; bf16 where the average group's 128 x 256
+ *             output tiles are at most two waves of the SMs:
+ *             sf_grouped_sm90_pays), else cuBLASLt per group;
  *   CUBLASLT  one cuBLASLt call per group (lanes apply);
  *   SM90      the sm90 kernel, or SF_ERR_VALUE with the rule the call breaks.
  * The sm90 kernel (grouped_sm90.h) runs every group's output tiles in one

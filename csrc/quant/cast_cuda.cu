@@ -871,7 +871,7 @@ namespace {
  * amaxes into the global ones with one atomic per group it touched.  Rows
  * past the last end are written as zeros.  CTA 0 writes every group's
  * scale inverse. */
-constexpr int kEndsRows = 16;
+constexpr int kEndsRows = 32;
 
 struct EndsCast {
     const void *x, *probs;
@@ -891,18 +891,19 @@ __global__ void __launch_bounds__(kThreads) grouped_ends_cast_kernel(EndsCast a)
     __shared__ float scales[SF_CAST_ENDS_MAX_GROUPS];
     __shared__ unsigned maxes[SF_CAST_ENDS_MAX_GROUPS];
     const int t = threadIdx.x, G = a.groups;
-    for (int g = t; g < G; g += kThreads) {
+    for (int g = t; g < G; g += kThreads) { /* (loaded side by side, then clamped in order by one thread) */
+        ends[g] = __ldg(a.row_end + g);
         scales[g] = a.scale[g * a.scale_stride];
         maxes[g] = 0u;
         if (blockIdx.x == 0)
             a.scale_inv[g * a.scale_inv_stride] = __fdiv_rn(1.0f, scales[g]);
     }
+    __syncthreads();
     if (t == 0) {
         int64_t prev = 0;
         for (int g = 0; g < G; ++g) {
-            int64_t e = __ldg(a.row_end + g);
-            e = e < prev ? prev : e > a.m ? a.m : e;
-            ends[g] = prev = e;
+            const int64_t e = ends[g];
+            ends[g] = prev = e < prev ? prev : e > a.m ? a.m : e;
         }
     }
     __syncthreads();

@@ -848,6 +848,11 @@ class GroupedLinear(torch.nn.Module):
             # the delayed-scaling form: the forward on the device, the backward from the counts' host copy
             if counts_wait is None:
                 counts_wait = moe_ops.counts_to_host(counts)
+            x = moe_ops.dense(x)  # (the cast reads whole rows in 16-byte vectors)
+            if x.data_ptr() % 16:
+                note_grouped("an input not 16-byte aligned is copied for the device-ends route's cast, which "
+                             "reads it in 16-byte vectors")
+                x = x.clone()
             q = self._quantizers(recipe, x.device)
             lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
             overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
@@ -1193,29 +1198,36 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     grads_b = []
     if ctx.bias_dtypes is not None:
         grads_b = dbs if need_db else [None] * G
-    return (dx, dprobs, None, None, None, None, None, *dws, *grads_b)
+    return (dx, dprobs, *(None,) * (_FP8_ARGS - 2), *dws, *grads_b)
 
 
 def _stacked_fp8_weights(w_forward):
     """(b [G, N, K], b_scale_inv [G]) of the experts' forward weight
     operands (per-expert (data, scale_inv, mode) triples) for the
-    device-ends GEMM: their data as one [G, N, K] view where they are
-    consecutive slices of one buffer (what weight_pairs' one-call cast
-    makes), else stacked into one (a copy, logged once); the scale
-    inverses as one [G] tensor (a copy of G floats)."""
-    datas = [op[0] for op in w_forward]
-    d0 = datas[0]
-    G, (N, K) = len(datas), d0.shape
-    step = N * K
-    if (all(d.is_contiguous() and d.shape == d0.shape and d.dtype == d0.dtype for d in datas)
-            and all(d.untyped_storage().data_ptr() == d0.untyped_storage().data_ptr()
-                    and d.storage_offset() == d0.storage_offset() + g * step for g, d in enumerate(datas))):
-        b = d0.as_strided((G, N, K), (step, K, 1))
-    else:
+    device-ends GEMM: each as one strided view where the experts' tensors
+    are evenly spaced in one storage (what weight_pairs' one-call cast
+    makes), else stacked into one (a copy; for the weights logged once)."""
+    datas, sis = [op[0] for op in w_forward], [op[1].reshape(1) for op in w_forward]
+    b = _one_view(datas)
+    if b is None:
         note_grouped("the experts' FP8 weights were not cast into one buffer (cast expert by expert): the "
                      "device-ends route stacks them (a copy of each) for its one grouped product")
         b = torch.stack(datas)
-    return b, torch.stack([op[1].reshape(()) for op in w_forward])
+    b_si = _one_view(sis)
+    return b, (b_si.reshape(len(sis)) if b_si is not None else torch.cat(sis))
+
+
+def _one_view(ts):
+    """The same-shaped, same-strided tensors ``ts`` as one [G, ...] view
+    where tensor g starts a fixed positive step of elements after tensor
+    g - 1 in one storage, else None."""
+    t0 = ts[0]
+    step = ts[1].storage_offset() - t0.storage_offset() if len(ts) > 1 else max(1, t0.numel())
+    if step <= 0 or any(t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype
+                        or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+                        or t.storage_offset() != t0.storage_offset() + g * step for g, t in enumerate(ts)):
+        return None
+    return t0.as_strided((len(ts),) + tuple(t0.shape), (step,) + tuple(t0.stride()))
 
 
 class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):

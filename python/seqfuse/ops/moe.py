@@ -53,9 +53,10 @@ from .gemm import FP8_DTYPES, FP8_ROW_MULTIPLE, SCALINGS, tf32_of, workspace_for
 from .quant import fp8_dtype_of
 
 # dense (ops._call's) is exported here for the grouped modules' and quantizers' gradients
-__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "grouped_gemm_device_fp8", "grouped_gemm_device_ends_fp8",
-           "sm90_kernel_refusal", "device_split_offsets",
-           "device_split_refusal", "cast_fp8_grouped", "cast_fp8_grouped_ends", "cast_fp8_current_list", "cast_fp8_current_stacked",
+__all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "grouped_gemm_device_fp8",
+           "grouped_gemm_device_ends_fp8", "sm90_kernel_refusal", "device_split_offsets",
+           "device_split_refusal", "cast_fp8_grouped", "cast_fp8_grouped_ends", "cast_fp8_current_list",
+           "cast_fp8_current_stacked",
            "pad_row_id_map", "counts_to_host",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
@@ -665,16 +666,16 @@ def swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, *, scale, amax=None, 
                          margin, row_multiple)
 
 
-def cast_fp8_grouped_ends(x, ends, fp8_dtype, *, scale, amax=None, swiglu=False, probs=None):
+def cast_fp8_grouped_ends(x, row_end, fp8_dtype, *, scale, amax=None, swiglu=False, probs=None):
     """The delayed-scaling grouped cast of expert-sorted rows whose groups are
-    given by their end rows on the device (``ends``: int32 [G], 1 <= G <= 64,
+    given by their end rows on the device (``row_end``: int32 [G], 1 <= G <= 64,
     :func:`device_split_offsets`), read by the kernel itself: nothing waits
     on the host (the device-split route's FP8 form under delayed scaling).
 
     x [M, K] (K a multiple of 16; contiguous, 16-byte aligned on CUDA), or
     with ``swiglu`` [M, 2K] gate|up pairs and ``probs`` [M] (or None), the
     value cast being :func:`swiglu_cast_fp8_grouped`'s.  Group g is rows
-    [ends[g-1], ends[g]) (each end clamped to [the previous end, M]); each of
+    [row_end[g-1], row_end[g]) (each end clamped to [the previous end, M]); each of
     its rows is cast with ``scale[g]`` into the same row of ``data`` [M, K]
     (no padding; rows past the last end are zeros) and max |x_g| folded into
     ``amax[g]`` where given.  ``scale`` / ``amax``: float32 [G], any element
@@ -685,7 +686,7 @@ def cast_fp8_grouped_ends(x, ends, fp8_dtype, *, scale, amax=None, swiglu=False,
     op = "cast_fp8_grouped_ends"
     require_fp8_dlpack(op)
     x = _tensor(op, "x", x)
-    ends = _tensor(op, "ends", ends)
+    row_end = _tensor(op, "row_end", row_end)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if x.dim() != 2:
         raise ValueError(f"{op}: argument 'x' must be 2-D [M, K] (the tokens in expert order), got {x.dim()}-D")
@@ -696,13 +697,14 @@ def cast_fp8_grouped_ends(x, ends, fp8_dtype, *, scale, amax=None, swiglu=False,
         if not swiglu:
             raise ValueError(f"{op}: argument 'probs' goes with swiglu=True")
         probs = _float_tensor(op, "probs", probs, 1)
-    if ends.dtype != torch.int32 or ends.dim() != 1:
-        raise TypeError(f"{op}: argument 'ends' must be a 1-D int32 tensor (device_split_offsets), got "
-                        f"{ends.dim()}-D {ends.dtype}")
+    if row_end.dtype != torch.int32 or row_end.dim() != 1:
+        raise TypeError(f"{op}: argument 'row_end' must be a 1-D int32 tensor (device_split_offsets), got "
+                        f"{row_end.dim()}-D {row_end.dtype}")
     k = x.shape[1] // 2 if swiglu else x.shape[1]
     data = torch.empty((x.shape[0], k), dtype=fp8_dtype, device=x.device)
-    scale_inv = _spaced_scale_inv(ends.shape[0], x.device)
-    _C.cast_fp8_grouped_ends(x, probs, int(bool(swiglu)), dense(ends), scale, amax, data, scale_inv, stream_for(x))
+    scale_inv = _spaced_scale_inv(row_end.shape[0], x.device)
+    _C.cast_fp8_grouped_ends(x, probs, int(bool(swiglu)), dense(row_end), scale, amax, data, scale_inv,
+                             stream_for(x))
     return data, scale_inv
 
 
