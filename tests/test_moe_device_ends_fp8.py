@@ -61,7 +61,7 @@ def test_refusals_name_their_rule(monkeypatch):
             GroupedLinear(2, 32, 32, bias=False, device="cpu").device_split_refusal(x)
         assert "multiples of 16" in GroupedLinear(2, 32, 40, bias=False, params_dtype=torch.bfloat16,
                                                   device="cpu").device_split_refusal(x)
-        assert "no amax history" in _layer().device_split_refusal(x.bfloat16())
+        assert "the layer's first FP8 forward" in _layer().device_split_refusal(x.bfloat16())
     layer = _layer()
     _warm([layer], torch.randn(32, 32).bfloat16(), WARM, recipe)
     with fp8_autocast(fp8_recipe=recipe):
@@ -165,6 +165,47 @@ def test_route_equals_host_route_over_micro_batches_into_main_grad(swiglu, monke
     kept), the weight gradients accumulated into float32 main_grad."""
     monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
     _compare_routes(DelayedScaling(), swiglu, firsts=(True, False, False), main_grad=True)
+
+
+def test_an_expert_without_history_is_cast_at_scale_one_then_joins(monkeypatch, caplog, seed):
+    """Expert 1 gets no rows in the warm step, so no history: the route
+    still runs (logging why its numbers differ), casts expert 1's rows with
+    its state's scale (1) where the host route takes one from their amax,
+    so only expert 1's rows and weight gradient differ from the host route's
+    (a little); the next step, with its amax recorded by both routes, is
+    bit-equal again."""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    monkeypatch.setattr(notes_module, "_noted", set())
+    recipe = DelayedScaling()
+    host, dev = _layer(), _layer()
+    _warm([host, dev], torch.randn(32, 32).bfloat16(), [8, 0, 16, 8], recipe)
+    qd = dev._quantizers(recipe, "cpu")
+    assert not qd.state.has_history(3) and qd.state.has_history(0)
+    for step, splits in enumerate(([5, 3, 16, 8], SPLITS)):
+        x = torch.randn(32, 32).bfloat16()
+        dy = torch.randn(32, 48).bfloat16()
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        with caplog.at_level("INFO", logger="seqfuse"), fp8_autocast(fp8_recipe=recipe):
+            yh = host(xs[0], splits)
+            assert dev.device_split_refusal(xs[1]) is None
+            yd = dev._device_split(xs[1], torch.tensor(splits), None, None, None)
+        yh.backward(dy)
+        yd.backward(dy)
+        assert torch.equal(xs[0].grad, xs[1].grad)  # (the input gradient reads no input cast)
+        if step == 0:
+            assert "no amax history yet (no rows so far) are cast on the device-ends route" in caplog.text
+            assert torch.equal(yh[:5], yd[:5]) and torch.equal(yh[8:], yd[8:])
+            assert not torch.equal(yh[5:8], yd[5:8])
+            assert (yh[5:8].float() - yd[5:8].float()).norm() <= 0.1 * yh[5:8].float().norm()
+            for g, (ph, pd) in enumerate(zip(host.parameters(), dev.parameters())):
+                assert torch.equal(ph.grad, pd.grad) == (g != 1), g
+            assert qd.state.has_history(3)
+        else:
+            assert torch.equal(yh, yd)
+            for ph, pd in zip(host.parameters(), dev.parameters()):
+                assert torch.equal(ph.grad, pd.grad)
+        host.zero_grad(set_to_none=True)
+        dev.zero_grad(set_to_none=True)
 
 
 def test_backward_refuses_counts_that_do_not_add_up(monkeypatch, seed):

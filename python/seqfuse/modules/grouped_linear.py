@@ -52,9 +52,12 @@ DeviceEndsFp8GroupedLinearFunction: the forward's input cast
 (seqfuse's sm90 kernel, grouped_gemm_device_ends_fp8) read the counts on
 the device, their host copy is queued in the forward and read by the
 backward, which is the host-count route's; its answers are that route's
-bit for bit.  It needs compute capability 9.0, bfloat16 compute, no bias,
-E4M3 inputs and an amax history for every expert's input (the first
-steps, and an expert that has never received rows, take host counts).
+bit for bit once every expert's input has an amax history.  It needs
+compute capability 9.0, bfloat16 compute, no bias and E4M3 inputs; a
+layer's first FP8 forward takes host counts (its experts' first casts take
+their scales from their own amaxes), and an expert that has received no
+rows until then is cast on the route with its state's scale, 1 until its
+first amax is recorded (Transformer Engine's first step).
 Where the route does not apply (a bias, another dtype or recipe, a HYBRID
 current-scaling format, whose E5M2 gradients torch's scaled grouped GEMM
 does not take) the counts are read to the host, logged once with the
@@ -556,9 +559,12 @@ class GroupedLinear(torch.nn.Module):
         """device_split_refusal under DelayedScaling: why the call cannot
         take DeviceEndsFp8GroupedLinearFunction (the forward's cast and
         product read the counts on the device; the backward reads their host
-        copy), or None.  Its first forwards always refuse: an expert input's
-        first delayed cast takes its scale from its own amax, which the
-        host-count route's per-expert casts compute."""
+        copy), or None.  A layer's first FP8 forward refuses (no expert's
+        input has an amax history yet): each expert input's first delayed
+        cast takes its scale from its own amax, which the host-count route's
+        per-expert casts compute.  After it, an expert that still has no
+        history (it has received no rows) is cast on the route with its
+        state's scale, 1 until its first amax lands (_first_casts_at_one)."""
         if stats.enabled():
             return "FP8 statistics are on (enable_stats; they are taken per cast of the host-count route)"
         if recompute.open_contexts:
@@ -584,9 +590,9 @@ class GroupedLinear(torch.nn.Module):
         q = self._quantizers(recipe, x.device)
         if q.inputs[0].fp8_dtype != torch.float8_e4m3fn or q.weights[0].fp8_dtype != torch.float8_e4m3fn:
             return "the sm90 kernel's forward takes E4M3 inputs and weights"
-        if not all(q.state.has_history(3 * g) for g in range(self.num_gemms)):
-            return ("an expert's input has no amax history yet (its first delayed cast takes the scale of its "
-                    "own amax, which the host-count route computes)")
+        if not any(q.state.has_history(3 * g) for g in range(self.num_gemms)):
+            return ("the layer's first FP8 forward: no expert's input has an amax history yet (a first delayed "
+                    "cast takes the scale of its own amax, which the host-count route computes)")
         return None
 
     @torch.no_grad()
@@ -854,6 +860,7 @@ class GroupedLinear(torch.nn.Module):
                              "reads it in 16-byte vectors")
                 x = x.clone()
             q = self._quantizers(recipe, x.device)
+            _first_casts_at_one(q, self.num_gemms)
             lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
             overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
@@ -870,6 +877,24 @@ class GroupedLinear(torch.nn.Module):
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
         return (y, self.biases()) if self.return_bias else y
+
+
+def _first_casts_at_one(q, G):
+    """Before a device-ends forward: the experts whose inputs have no amax
+    history yet (none of their rows was ever cast: the route does not know
+    on the host which experts get rows now) are cast with their state's
+    scale, 1 until an amax lands in the history (Transformer Engine's first
+    step for every tensor); their casts are noted as first casts, so that
+    the next scaling update gives them a history and later casts take the
+    scale from it.  Logged once."""
+    fresh = [g for g in range(G) if not q.state.has_history(3 * g)]
+    if fresh:
+        note_grouped("experts whose inputs have no amax history yet (no rows so far) are cast on the "
+                     "device-ends route with their scaling state's scale (1 until their first amax is recorded, "
+                     "Transformer Engine's first-step scale), not with one from their own amax as the host-count "
+                     "route's first casts are")
+        for g in fresh:
+            q.state.note_first_cast(3 * g)
 
 
 def _fp8_device_refusal(recipe):
