@@ -308,10 +308,12 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         fast_accum=True or False (False: each 128-long block of k summed
         apart and added into float32, in 128 x 128 tiles), to a bfloat16
         out; k and n multiples of 16 bytes.  "auto" takes it where the call
-        fits and it measured faster on an H100: e4m3 with fast accumulation
+        fits and it measured faster on an H100: FP8 with fast accumulation
         (10 of 12 Mixtral-small rows; it lost 16 experts' balanced up
-        projection by about 12 %), every other FP8 form (not yet timed
-        against cuBLASLt), and bf16 where the average group has at most two waves
+        projection by about 12 %), FP8 with split accumulation where k is at
+        most 4,096 or there are more than 16 groups (the input gradients: it
+        ran 8 experts at k = 7,168 at 0.78-0.85x cuBLASLt's fast_accum=0,
+        elsewhere 1.05-2.13x), and bf16 where the average group has at most two waves
         of the SMs in 128 x 256 output tiles (every Mixtral-small down projection, the up
         projection at 64 experts; larger groups ran faster one cuBLASLt
         call each) and otherwise runs one cuBLASLt call per group
