@@ -1244,15 +1244,20 @@ def _stacked_fp8_weights(w_forward):
 
 def _one_view(ts):
     """The same-shaped, same-strided tensors ``ts`` as one [G, ...] view
-    where tensor g starts a fixed positive step of elements after tensor
-    g - 1 in one storage, else None."""
+    where they are views of one tensor (as unbind and split make them), each
+    a fixed positive step of elements after the one before, else None."""
     t0 = ts[0]
-    step = ts[1].storage_offset() - t0.storage_offset() if len(ts) > 1 else max(1, t0.numel())
-    if step <= 0 or any(t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype
-                        or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
-                        or t.storage_offset() != t0.storage_offset() + g * step for g, t in enumerate(ts)):
+    if len(ts) == 1:
+        return t0.unsqueeze(0)
+    base, p0, size = t0._base, t0.data_ptr(), t0.element_size()
+    step = ts[1].data_ptr() - p0
+    if base is None or step <= 0 or step % size:
         return None
-    return t0.as_strided((len(ts),) + tuple(t0.shape), (step,) + tuple(t0.stride()))
+    shape, stride = t0.shape, t0.stride()
+    for g, t in enumerate(ts):
+        if t._base is not base or t.data_ptr() != p0 + g * step or t.shape != shape or t.stride() != stride:
+            return None
+    return t0.as_strided((len(ts),) + tuple(shape), (step // size,) + tuple(stride))
 
 
 class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
