@@ -226,7 +226,7 @@ def test_cuda_auto_takes_sm90_for_the_hybrid_input_gradient(n, k, kernel_taken, 
     small's shapes (8 experts, uneven counts): auto takes the kernel at
     fc2's (n = 3,584, k = 1,024: no cuBLASLt plan asked for, nothing noted)
     and cuBLASLt at fc1's (k = 7,168, where the promoted kernel measured
-    0.78-0.85x: plans asked for, nothing noted either, cuBLASLt being the
+    0.78-0.90x: plans asked for, nothing noted either, cuBLASLt being the
     faster route there); either holds twice cuBLASLt's fast_accum=False
     error against the float64 product (computed on the GPU)."""
     import importlib

@@ -24,13 +24,9 @@ steps, the two routes interleaved), C calls per step.  ``--profile ROUTE``
 """
 import argparse
 import contextlib
-import os
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 
 #: seqfuse._C's compute entries the two routes call (bench_fp8_host's and the grouped ones).
 STUBBED = ("amax", "cast_fp8", "cast_fp8_current", "cast_fp8_dbias", "fp8_compute_scale", "fp8_scale_update",
@@ -70,7 +66,7 @@ def runner(route, experts=8, hidden=32, ffn=48, tokens=256):
     from seqfuse.ops import moe as moe_ops
     from seqfuse.quantization import fp8_autocast
 
-    moe_ops.sm90_kernel_refusal = lambda device: None  # (the route's device check: CPU tensors here)
+    moe_ops.sm90_kernel_refusal = lambda device: None  # (the route's device check, CPU tensors here: main restores it)
     torch.manual_seed(0)
     recipe = DelayedScaling()
     kw = dict(bias=False, params_dtype=torch.bfloat16, device="cpu")
@@ -109,6 +105,16 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", choices=("host", "ends"), default=None)
     args = ap.parse_args(argv)
+    from seqfuse.ops import moe as moe_ops
+
+    refusal = moe_ops.sm90_kernel_refusal
+    try:
+        probe(args)
+    finally:
+        moe_ops.sm90_kernel_refusal = refusal
+
+
+def probe(args):
     runs = {r: runner(r) for r in ("host", "ends")}
     if args.profile:
         import cProfile

@@ -102,13 +102,15 @@ const char *sf_grouped_sm90_unfit(const sf_grouped_sm90_args *args);
  * 533-548 against 500-530), and lost it at 8 and 16 experts (448+ tiles a
  * group: 597-718 against 672-725); e4m3 fast (s46) it won 10 of 12 rows (8
  * experts 1,157-1,210 against 1,004-1,135; it lost 16 experts' balanced up
- * projection, 993-1,031 against 1,120-1,201, in two runs); split (s47, the
- * input gradients, e5m2 x e4m3 and e4m3 x e4m3 alike) it won at k = 1,024
- * (8 experts 1,008-1,061 against 961-1,011, 1.05-1.09x; 64 experts 722-816
- * against 427-476) and at 64 experts with k = 7,168 (1,088-1,262 against
- * 790-1,063 with lanes), and lost 8 experts at k = 7,168 (1,138-1,198
- * against 1,333-1,518, 0.78-0.85x: the promotion every 128 of k costs the
- * long reductions most).  16 experts are not measured. */
+ * projection, 993-1,031 against 1,120-1,201, in two runs); split (s47, two
+ * runs, the input gradients, e5m2 x e4m3 and e4m3 x e4m3 alike, against
+ * cuBLASLt with fast_accum=0 at its default lanes) it won at k = 1,024 (8
+ * experts 1,008-1,068 against 930-1,011 TFLOP/s, 1.04-1.10x; 64 experts
+ * 720-816 against 427-487, 1.65-1.72x) and at 64 experts with k = 7,168
+ * (1,088-1,267 against 774-1,064, 1.18-1.42x), and lost 8 experts at
+ * k = 7,168 (1,138-1,203 against 1,298-1,529, 0.78-0.90x: the promotion
+ * every 128 of k costs the long reductions most).  16 experts are not
+ * measured. */
 int sf_grouped_sm90_pays(const int64_t *m_splits, int groups, int64_t n, int64_t k, sf_dtype dtype, int fast_accum,
                          int device_id);
 

@@ -56,8 +56,9 @@ bit for bit once every expert's input has an amax history.  It needs
 compute capability 9.0, bfloat16 compute, no bias and E4M3 inputs; a
 layer's first FP8 forward takes host counts (its experts' first casts take
 their scales from their own amaxes), and an expert that has received no
-rows until then is cast on the route with its state's scale, 1 until its
-first amax is recorded (Transformer Engine's first step).
+rows until then is cast on the route with its state's current scale (1
+for a tensor never cast, Transformer Engine's first step), and its first
+cast is noted in the backward, where the counts are on the host.
 Where the route does not apply (a bias, another dtype or recipe, a HYBRID
 current-scaling format, whose E5M2 gradients torch's scaled grouped GEMM
 does not take) the counts are read to the host, logged once with the
@@ -564,7 +565,7 @@ class GroupedLinear(torch.nn.Module):
         cast takes its scale from its own amax, which the host-count route's
         per-expert casts compute.  After it, an expert that still has no
         history (it has received no rows) is cast on the route with its
-        state's scale, 1 until its first amax lands (_first_casts_at_one)."""
+        state's current scale, 1 for a tensor never cast (_note_fresh_experts)."""
         if stats.enabled():
             return "FP8 statistics are on (enable_stats; they are taken per cast of the host-count route)"
         if recompute.open_contexts:
@@ -860,7 +861,7 @@ class GroupedLinear(torch.nn.Module):
                              "reads it in 16-byte vectors")
                 x = x.clone()
             q = self._quantizers(recipe, x.device)
-            _first_casts_at_one(q, self.num_gemms)
+            _note_fresh_experts(q, self.num_gemms)
             lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
             overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
@@ -879,22 +880,20 @@ class GroupedLinear(torch.nn.Module):
         return (y, self.biases()) if self.return_bias else y
 
 
-def _first_casts_at_one(q, G):
-    """Before a device-ends forward: the experts whose inputs have no amax
-    history yet (none of their rows was ever cast: the route does not know
-    on the host which experts get rows now) are cast with their state's
-    scale, 1 until an amax lands in the history (Transformer Engine's first
-    step for every tensor); their casts are noted as first casts, so that
-    the next scaling update gives them a history and later casts take the
-    scale from it.  Logged once."""
-    fresh = [g for g in range(G) if not q.state.has_history(3 * g)]
-    if fresh:
+def _note_fresh_experts(q, G):
+    """Before a device-ends forward: experts whose inputs have no amax
+    history (no row of theirs cast yet) are cast on the route with their
+    state's current scale (1 for a tensor never cast: Transformer Engine's
+    first-step scale), where the host-count route's first cast takes the
+    scale of the rows' own amax; logged once.  Which of them get rows is
+    known on the host in the backward, which notes their first casts
+    (DeviceEndsFp8GroupedLinearFunction.backward), so that the next update
+    gives them a history, as the host route's first casts do."""
+    if not all(q.state.has_history(3 * g) for g in range(G)):
         note_grouped("experts whose inputs have no amax history yet (no rows so far) are cast on the "
-                     "device-ends route with their scaling state's scale (1 until their first amax is recorded, "
+                     "device-ends route with their scaling state's current scale (1 for a tensor never cast, "
                      "Transformer Engine's first-step scale), not with one from their own amax as the host-count "
                      "route's first casts are")
-        for g in fresh:
-            q.state.note_first_cast(3 * g)
 
 
 def _fp8_device_refusal(recipe):
@@ -1249,13 +1248,14 @@ def _one_view(ts):
     t0 = ts[0]
     if len(ts) == 1:
         return t0.unsqueeze(0)
-    base, p0, size = t0._base, t0.data_ptr(), t0.element_size()
+    base, p0, size, dtype = t0._base, t0.data_ptr(), t0.element_size(), t0.dtype
     step = ts[1].data_ptr() - p0
     if base is None or step <= 0 or step % size:
         return None
     shape, stride = t0.shape, t0.stride()
     for g, t in enumerate(ts):
-        if t._base is not base or t.data_ptr() != p0 + g * step or t.shape != shape or t.stride() != stride:
+        if (t._base is not base or t.dtype != dtype or t.data_ptr() != p0 + g * step or t.shape != shape
+                or t.stride() != stride):
             return None
     return t0.as_strided((len(ts),) + tuple(shape), (step // size,) + tuple(stride))
 
@@ -1346,6 +1346,10 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
                                f"{G} non-negative counts adding up to the forward's {ctx.rows} rows")
         padded = tuple(_gq.padded_rows(m) for m in splits)
         fp8_dtype = ctx.fp8_dtype
+        state = ctx.q.state
+        for g, m in enumerate(splits):  # (the forward's first casts: known now, _note_fresh_experts)
+            if m and not state.has_history(3 * g):
+                state.note_first_cast(3 * g)
 
         def x_col():
             if ctx.has_probs:

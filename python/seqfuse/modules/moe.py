@@ -16,10 +16,13 @@ On CUDA in bfloat16, or under Float8CurrentScaling with E4M3 gradients
 (no expert biases), the grouped GEMMs take m_splits (tokens per expert) on
 the GPU (GroupedLinear's device-split route; its FP8 form casts each row
 with its own scale) and the block never waits on the host.  Under
-DelayedScaling on a Hopper GPU (after the layer's first FP8 forward) the
-forward takes them on the GPU (each expert's delayed scale, seqfuse's sm90
-grouped kernel) and the backward reads one host copy of them, queued in
-the forward for both layers.  Otherwise
+DelayedScaling (after the layer's first FP8 forward; compute capability
+9.0 with seqfuse's sm_90a build, bfloat16, no bias, E4M3 inputs, FP8
+statistics off, not inside an activation checkpoint:
+GroupedLinear.device_split_refusal names what is missing) the forward
+takes them on the GPU (each expert's delayed scale, seqfuse's sm90 grouped
+kernel) and the backward reads one host copy of them, queued in the
+forward for both layers.  Otherwise
 m_splits are read to the host once per forward (seqfuse's cuBLASLt grouped
 GEMMs take host row counts): the block's one host synchronization.
 Its copy is queued as soon as the counts exist and waited for after the
@@ -161,8 +164,9 @@ class GroupedMLP(RoutedExperts):
     device_splits: on CUDA without bias, in bfloat16 or under
     Float8CurrentScaling(fp8_format=E4M3), the experts' GEMMs take the
     routing counts on the GPU (GroupedLinear's device-split route) and the
-    block has no host synchronization; under DelayedScaling on Hopper the
-    forward has none (the backward reads the counts' host copy); False (or
+    block has no host synchronization; under DelayedScaling (on Hopper, as
+    the module note says) the forward has none (the backward reads the
+    counts' host copy); False (or
     another recipe, a bias, another dtype) reads them to the host once per
     forward.  An attribute,
     which may be changed on a built module.

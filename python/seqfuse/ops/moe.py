@@ -312,8 +312,8 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
         (10 of 12 Mixtral-small rows; it lost 16 experts' balanced up
         projection by about 12 %), FP8 with split accumulation where k is at
         most 4,096 or there are more than 16 groups (the input gradients: it
-        ran 8 experts at k = 7,168 at 0.78-0.85x cuBLASLt's fast_accum=0,
-        elsewhere 1.05-2.13x), and bf16 where the average group has at most two waves
+        ran 8 experts at k = 7,168 at 0.78-0.90x cuBLASLt's fast_accum=0,
+        elsewhere 1.04-1.72x), and bf16 where the average group has at most two waves
         of the SMs in 128 x 256 output tiles (every Mixtral-small down projection, the up
         projection at 64 experts; larger groups ran faster one cuBLASLt
         call each) and otherwise runs one cuBLASLt call per group
