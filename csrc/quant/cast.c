@@ -338,6 +338,42 @@ static sf_status layout_alloc(const char *op, int64_t G, grouped_layout *l, void
     return SF_OK;
 }
 
+/* The grouped casts' rows x (swiglu = 1: gate|up pairs of 2K values) and
+ * their probs (or NULL): a contiguous float 2-D tensor with K a multiple of
+ * 16, 16-byte aligned off the CPU; probs 1-D, one per row, on x's device.
+ * *m and *k receive the rows and K. */
+static sf_status check_grouped_rows(const char *op, const sf_tensor *x, int swiglu, const sf_tensor *probs,
+                                    int64_t *m, int64_t *k)
+{
+    SF_TRY(sf_check_float_input(op, "x", x));
+    SF_TRY(sf_check_contiguous(op, "x", x));
+    if (x->ndim != 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, %s] (the tokens in group "
+                       "order), got %d dimensions", op, swiglu ? "2K" : "K", x->ndim);
+    *m = x->shape[0];
+    *k = swiglu ? x->shape[1] / 2 : x->shape[1];
+    if (swiglu && x->shape[1] % 2)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have an even last dimension (gate and up "
+                       "halves), got %lld", op, (long long)x->shape[1]);
+    if (*k % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (%s) a multiple of 16 (the FP8 "
+                       "GEMMs' rule), got %lld", op, swiglu ? "half its last dimension" : "its last dimension",
+                       (long long)*k);
+    if (x->device != SF_CPU && (uintptr_t)x->data % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
+    if (probs && !swiglu)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' (the SwiGLU's row scales) goes with the SwiGLU "
+                       "form", op);
+    if (probs) {
+        SF_TRY(sf_check_float_input(op, "probs", probs));
+        SF_TRY(sf_check_same_device(op, "x", x, "probs", probs));
+        if (probs->ndim != 1 || probs->shape[0] != *m || !sf_is_contiguous(probs))
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be a contiguous 1-D tensor of one "
+                           "entry per row of x (%lld)", op, (long long)*m);
+    }
+    return SF_OK;
+}
+
 /* sf_cast_fp8_grouped (swiglu = 0: x holds the values cast) and
  * sf_swiglu_cast_fp8_grouped (swiglu = 1: each row of x is a gate|up pair of
  * 2K values, probs (or NULL) the rows' scales). */
@@ -346,28 +382,8 @@ static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swigl
                                    sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
                                    sf_tensor *scale_inv, int current, int margin, sf_stream stream)
 {
-    SF_TRY(sf_check_float_input(op, "x", x));
-    SF_TRY(sf_check_contiguous(op, "x", x));
-    if (x->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, %s] (the tokens in group "
-                       "order), got %d dimensions", op, swiglu ? "2K" : "K", x->ndim);
-    const int64_t m_total = x->shape[0], k = swiglu ? x->shape[1] / 2 : x->shape[1];
-    if (swiglu && x->shape[1] % 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have an even last dimension (gate and up "
-                       "halves), got %lld", op, (long long)x->shape[1]);
-    if (k % 16)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (%s) a multiple of 16 (the FP8 "
-                       "GEMMs' rule), got %lld", op, swiglu ? "half its last dimension" : "its last dimension",
-                       (long long)k);
-    if (x->device != SF_CPU && (uintptr_t)x->data % 16)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
-    if (probs) {
-        SF_TRY(sf_check_float_input(op, "probs", probs));
-        SF_TRY(sf_check_same_device(op, "x", x, "probs", probs));
-        if (probs->ndim != 1 || probs->shape[0] != m_total || !sf_is_contiguous(probs))
-            return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be a contiguous 1-D tensor of one "
-                           "entry per row of x (%lld)", op, (long long)m_total);
-    }
+    int64_t m_total, k;
+    SF_TRY(check_grouped_rows(op, x, swiglu, probs, &m_total, &k));
     SF_TRY(sf_check_dtype(op, "m_splits", m_splits, SF_INT64));
     if (m_splits->device != SF_CPU || m_splits->ndim != 1 || !sf_is_contiguous(m_splits))
         return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must be a contiguous 1-D int64 CPU "
@@ -505,30 +521,8 @@ sf_status sf_cast_fp8_grouped_ends(const sf_tensor *x, const sf_tensor *probs, i
                                    sf_stream stream)
 {
     static const char op[] = "cast_fp8_grouped_ends";
-    SF_TRY(sf_check_float_input(op, "x", x));
-    SF_TRY(sf_check_contiguous(op, "x", x));
-    if (x->ndim != 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 2-D [M, %s] (the tokens in group order), got "
-                       "%d dimensions", op, swiglu ? "2K" : "K", x->ndim);
-    if (swiglu && x->shape[1] % 2)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have an even last dimension (gate and up halves) "
-                       "with swiglu=1, got %lld", op, (long long)x->shape[1]);
-    const int64_t m = x->shape[0], k = swiglu ? x->shape[1] / 2 : x->shape[1];
-    if (k % 16)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must have K (%s) a multiple of 16 (the FP8 GEMMs' "
-                       "rule), got %lld", op, swiglu ? "half its last dimension" : "its last dimension",
-                       (long long)k);
-    if (x->device != SF_CPU && (uintptr_t)x->data % 16)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'x' must be 16-byte aligned", op);
-    if (probs && !swiglu)
-        return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' (the SwiGLU's row scales) goes with swiglu=1", op);
-    if (probs) {
-        SF_TRY(sf_check_float_input(op, "probs", probs));
-        SF_TRY(sf_check_same_device(op, "x", x, "probs", probs));
-        if (probs->ndim != 1 || probs->shape[0] != m || !sf_is_contiguous(probs))
-            return sf_fail(SF_ERR_VALUE, "%s: argument 'probs' must be a contiguous 1-D tensor of one entry per "
-                           "row of x (%lld)", op, (long long)m);
-    }
+    int64_t m, k;
+    SF_TRY(check_grouped_rows(op, x, swiglu, probs, &m, &k));
     SF_TRY(sf_check_dtype(op, "row_end", row_end, SF_INT32));
     SF_TRY(sf_check_same_device(op, "x", x, "row_end", row_end));
     if (row_end->ndim != 1 || row_end->shape[0] < 1 || row_end->shape[0] > SF_CAST_ENDS_MAX_GROUPS ||
