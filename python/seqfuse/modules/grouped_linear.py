@@ -864,8 +864,10 @@ class GroupedLinear(torch.nn.Module):
             _note_fresh_experts(q, self.num_gemms)
             lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
             overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
+            stacked = self.stacked_weights() if lean else None  # (lean: one cast of the stack, no caches)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
-                                                         self.num_gemms, (q, is_first_microbatch, overwrite, lean),
+                                                         self.num_gemms,
+                                                         (q, is_first_microbatch, overwrite, lean, stacked),
                                                          *self.weights())
         else:
             if recipe is not None:
@@ -1231,7 +1233,8 @@ def _stacked_fp8_weights(w_forward):
     device-ends GEMM: each as one strided view where the experts' tensors
     are evenly spaced in one storage (what weight_pairs' one-call cast
     makes), else stacked into one (a copy; for the weights logged once)."""
-    datas, sis = [op[0] for op in w_forward], [op[1].reshape(1) for op in w_forward]
+    datas = [op[0] for op in w_forward]
+    sis = [op[1] if op[1].dim() == 1 else op[1].reshape(1) for op in w_forward]
     b = _one_view(datas)
     if b is None:
         note_grouped("the experts' FP8 weights were not cast into one buffer (cast expert by expert): the "
@@ -1268,13 +1271,18 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
     scaled SwiGLU, cast in the same pass), probs or None, offsets
     (device_split_offsets of the counts), counts_wait (moe_ops.counts_to_host
     of the counts: queued in the forward, read in the backward), dtype,
-    num_gemms, (quantizers, is_first_microbatch, overwrite, lean), *weights).
+    num_gemms, (quantizers, is_first_microbatch, overwrite, lean, stacked),
+    *weights; ``stacked``: with ``lean``, the weights' [G, out, in] view).
 
     Forward: the input cast with each expert's delayed scale by
     ops.moe.cast_fp8_grouped_ends (the groups' ends read on the device, the
     amaxes folded into the state's slots as the host-count cast folds them,
     each row cast in place: no padding), the experts' weights cast as the
-    host-count route casts them (weight_pairs), and the product by the sm90
+    host-count route casts them (weight_pairs; with ``lean``, which keeps
+    no cast past the call, one cast of the stacked weights into the stacked
+    operands the product and the input gradient read, the same C cast,
+    bytes, scales and amaxes, without the per-expert caches), and the
+    product by the sm90
     kernel with the ends on the device (grouped_gemm_device_ends_fp8); the
     output has the input's rows.  Backward: the counts, copied to the host
     during the forward, have long landed; with them the backward is the
@@ -1290,14 +1298,21 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, probs, offsets, counts_wait, dtype, G, qargs, *weights):
-        q, first, overwrite, lean = qargs
+        q, first, overwrite, lean, stacked = qargs
         swiglu = probs is not None
         need_w = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         x = x.detach()
         probs = probs.detach() if swiglu else None
-        pairs = weight_pairs(q, weights, first)
-        b, b_si = _stacked_fp8_weights([F8.weight_forward(p, "delayed") for p in pairs])
+        if lean:
+            release_weight_pairs(q)  # (a cast an earlier call kept goes: nothing is cached here)
+            b, b_t, b_si = moe_ops.cast_fp8_current_stacked(stacked.detach(), q.weights[0].fp8_dtype,
+                                                            margin=q.margin, transpose=need_dx, spaced=True,
+                                                            amax=q.state.role_slots(1, 3)[1])
+            pairs = None
+        else:
+            pairs = weight_pairs(q, weights, first)
+            b, b_si = _stacked_fp8_weights([F8.weight_forward(p, "delayed") for p in pairs])
         scale, amax = q.state.role_slots(0, 3)
         fp8_dtype = q.inputs[0].fp8_dtype
         scale_used = scale.clone() if need_w else None  # (the state's scales change at the autocast exit)
@@ -1305,10 +1320,12 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
                                                  probs=probs)
         y = moe_ops.grouped_gemm_device_ends_fp8(xq, x_si, b, b_si, offsets)
         del xq, b
-        w_dg = [F8.weight_dgrad(p, "delayed") for p in pairs] if need_dx else []
-        saved = [t for op in w_dg for t in F8.weight_saved(op)]
-        if lean:  # the forward operand's bytes go with this call's references to them
-            release_weight_pairs(q)
+        if pairs is None:  # (lean: the transposed stack and its scale inverses, split per expert in the backward)
+            saved, ctx.w_modes, ctx.w_stacked = ([b_t, b_si] if need_dx else []), [], need_dx
+        else:
+            w_dg = [F8.weight_dgrad(p, "delayed") for p in pairs] if need_dx else []
+            saved = [t for op in w_dg for t in F8.weight_saved(op)]
+            ctx.w_modes, ctx.w_stacked = [op[2] for op in w_dg], False
         # the input the weight gradient's transposed copy is made from, and the SwiGLU's backward reads
         ctx.swiglu = swiglu and need_dx
         keep = need_w or ctx.swiglu
@@ -1317,7 +1334,6 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
         if need_w:
             saved.append(scale_used)
         ctx.save_for_backward(*saved)
-        ctx.w_modes = [op[2] for op in w_dg]
         ctx.keep, ctx.has_probs, ctx.fp8_dtype = keep, swiglu, fp8_dtype
         ctx.counts_wait, ctx.rows = counts_wait, x.shape[0]
         ctx.q, ctx.G, ctx.dtype, ctx.overwrite = q, G, dtype, overwrite
@@ -1329,9 +1345,13 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         G = ctx.G
         saved = list(ctx.saved_tensors)
-        n_w = len(ctx.w_modes)
-        w_dg = [(saved[2 * g], saved[2 * g + 1], ctx.w_modes[g]) for g in range(n_w)]
-        rest = saved[2 * n_w:]
+        if ctx.w_stacked:
+            b_t, b_si = saved[:2]
+            w_dg, rest = [(b_t[g], b_si[g:g + 1], None) for g in range(G)], saved[2:]
+        else:
+            n_w = len(ctx.w_modes)
+            w_dg = [(saved[2 * g], saved[2 * g + 1], ctx.w_modes[g]) for g in range(n_w)]
+            rest = saved[2 * n_w:]
         x = h = probs = scale_used = None
         if ctx.keep:
             if ctx.has_probs:

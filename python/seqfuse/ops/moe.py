@@ -768,14 +768,18 @@ def cast_fp8_current_list(xs, fp8_dtype, *, amax=None, margin=0, rowwise=True, t
         scale_inv, scale, amax
 
 
-def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0, rowwise=True, transpose=True):
+def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0, rowwise=True, transpose=True, amax=None, spaced=False):
     """:func:`cast_fp8_current_list` of the G matrices of one stacked tensor
     ``w`` [G, N, K] (a device-split grouped layer's weights), the copies
     stacked too: returns ``(data [G, N, K] or None, data_t [G, K, N] or
-    None, scale_inv [G])``, scale_inv contiguous (1 / each matrix's scale).
-    ``rowwise`` / ``transpose``: which copies to make (at least one).  The
-    scales come from the amaxes of ``w`` alone, whichever copies are made:
-    a cast of the same values gives the same scales bit for bit."""
+    None, scale_inv [G])``, scale_inv contiguous (1 / each matrix's scale),
+    or with ``spaced`` 256 bytes apart (:func:`cast_fp8_grouped`'s layout,
+    which per-group cuBLASLt scales need).  ``rowwise`` / ``transpose``:
+    which copies to make (at least one).  ``amax``: a float32 vector of G
+    elements (any stride, e.g. a ScalingState's weight slots) to receive
+    the amaxes, as cast_fp8_current_list's.  The scales come from the
+    amaxes of ``w`` alone, whichever copies are made: a cast of the same
+    values gives the same scales bit for bit."""
     op = "cast_fp8_current_stacked"
     w = _tensor(op, "w", w)
     if w.dim() != 3 or w.shape[0] == 0:
@@ -787,8 +791,10 @@ def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0, rowwise=True, transpose=
         raise ValueError(f"{op}: argument 'w' must have N and K multiples of 16, got shape {tuple(w.shape)}")
     if not w.is_contiguous() or (w.is_cuda and w.data_ptr() % 16):
         raise ValueError(f"{op}: argument 'w' must be contiguous and 16-byte aligned")
-    scale_inv = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, None, margin,
+    G = w.shape[0]
+    scale_inv = (_spaced_scale_inv(G, w.device) if spaced
+                 else torch.empty(G, dtype=torch.float32, device=w.device))
+    data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, amax, margin,
                                                        bool(rowwise), bool(transpose), scale_inv)
     return data, data_t, scale_inv
 
