@@ -982,14 +982,24 @@ class _Columns:
         self.blocks, self.scale_inv = gq.column_blocks(), gq.scale_inv
 
 
+class _Stacked:
+    """The experts' FP8 weights as one [G, rows, cols] tensor and their
+    per-tensor scale inverses as one [G] tensor, a grouped-GEMM operand
+    (the device-ends route's lean input gradient)."""
+    __slots__ = ("data", "scale_inv")
+
+    def __init__(self, data, scale_inv):
+        self.data, self.scale_inv = data, scale_inv
+
+
 def _operand(x):
     """(data, scale_inv, scaling) of a grouped FP8 GEMM operand: a list of
     per-expert triples (data, scale_inv, scaling), a GroupedFloat8 (its
-    row-wise copy, split by the padded counts) or _Columns."""
+    row-wise copy, split by the padded counts), _Columns or _Stacked."""
     if isinstance(x, GroupedFloat8):
         return x.data, x.scale_inv, "tensor"
-    if isinstance(x, _Columns):
-        return x.blocks, x.scale_inv, "tensor"
+    if isinstance(x, (_Columns, _Stacked)):
+        return (x.blocks if isinstance(x, _Columns) else x.data), x.scale_inv, "tensor"
     return [t[0] for t in x], [t[1] for t in x], _mode(x)
 
 
@@ -1177,7 +1187,7 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     DeviceEndsFp8GroupedLinearFunction), given the host row counts
     ``splits`` and their ``padded`` counts: the output gradient cast for
     every expert in one call (else expert by expert), the input gradient
-    against the weights' dgrad operands ``w_dg`` (per-expert triples; with
+    against the weights' dgrad operands ``w_dg`` (per-expert triples or _Stacked; with
     ``ctx.swiglu`` then the SwiGLU's backward over its input ``h`` and row
     scales ``probs``), and the weight gradients against the input's
     transposed FP8 copy ``x_col`` (_operand's forms, or a callable that
@@ -1320,7 +1330,7 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
                                                  probs=probs)
         y = moe_ops.grouped_gemm_device_ends_fp8(xq, x_si, b, b_si, offsets)
         del xq, b
-        if pairs is None:  # (lean: the transposed stack and its scale inverses, split per expert in the backward)
+        if pairs is None:  # (lean: the transposed stack and its scale inverses, one operand in the backward)
             saved, ctx.w_modes, ctx.w_stacked = ([b_t, b_si] if need_dx else []), [], need_dx
         else:
             w_dg = [F8.weight_dgrad(p, "delayed") for p in pairs] if need_dx else []
@@ -1346,8 +1356,7 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
         G = ctx.G
         saved = list(ctx.saved_tensors)
         if ctx.w_stacked:
-            b_t, b_si = saved[:2]
-            w_dg, rest = [(b_t[g], b_si[g:g + 1], None) for g in range(G)], saved[2:]
+            w_dg, rest = _Stacked(*saved[:2]), saved[2:]
         else:
             n_w = len(ctx.w_modes)
             w_dg = [(saved[2 * g], saved[2 * g + 1], ctx.w_modes[g]) for g in range(n_w)]
