@@ -107,6 +107,8 @@ def host_splits(op, m_splits, arg="argument 'm_splits'"):
                             f"{m_splits.dtype}")
         check_storage(op, arg, m_splits)  # (tolist reads it on the host: a shrunk storage past its end)
         splits = [int(v) for v in m_splits.reshape(-1).tolist()]
+    elif type(m_splits) in (list, tuple) and all(type(v) is int and 0 <= v < 2 ** 63 for v in m_splits):
+        splits = list(m_splits)  # (in-range plain ints, what the modules hand over: as_int returns them as they are)
     else:
         try:
             values = list(m_splits)
