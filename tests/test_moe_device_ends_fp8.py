@@ -134,6 +134,8 @@ def _compare_routes(recipe, swiglu, x_grad=True, p_grad=True, w_grad=True, first
         for a, b in zip(qh.state.state_dict().values(), qd.state.state_dict().values()):
             if isinstance(a, torch.Tensor):
                 _same(a, b, ("state", step))
+        # the experts' weight casts, counted alike (the route's lean cast of the stack included)
+        assert [r.casts for r in qh.weights] == [r.casts for r in qd.weights], step
         host.zero_grad(set_to_none=True)
         dev.zero_grad(set_to_none=True)
 

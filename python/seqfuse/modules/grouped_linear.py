@@ -411,7 +411,8 @@ class GroupedLinear(torch.nn.Module):
     deferred-wgrad and single-grouped-parameter arguments raise
     NotImplementedError unless off.
 
-    ``keep_fp8_weights`` (an attribute, default False; host row counts):
+    ``keep_fp8_weights`` (an attribute, default False; host row counts and
+    the device-ends route under delayed scaling):
     under FP8 in training without is_first_microbatch, False keeps none of
     the experts' weight casts past the forward (the backward keeps the
     transposed copy it reads), so no layer holds its FP8 weights through the
@@ -864,7 +865,12 @@ class GroupedLinear(torch.nn.Module):
             _note_fresh_experts(q, self.num_gemms)
             lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
             overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
-            stacked = self.stacked_weights() if lean else None  # (lean: one cast of the stack, no caches)
+            # lean, with the weights in one aligned buffer and no cast kept from another mode: one cast of the
+            # stack, no caches (else weight_pairs, which reuses what is cached and casts the rest)
+            ws = self.weights()
+            stacked = None
+            if lean and _one_buffer(ws) and ws[0].data_ptr() % 16 == 0 and all(r.pair is None for r in q.weights):
+                stacked = _stack(ws)[0]
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
                                                          self.num_gemms,
                                                          (q, is_first_microbatch, overwrite, lean, stacked),
@@ -1239,10 +1245,11 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
 
 def _stacked_fp8_weights(w_forward):
     """(b [G, N, K], b_scale_inv [G]) of the experts' forward weight
-    operands (per-expert (data, scale_inv, mode) triples) for the
-    device-ends GEMM: each as one strided view where the experts' tensors
-    are evenly spaced in one storage (what weight_pairs' one-call cast
-    makes), else stacked into one (a copy; for the weights logged once)."""
+    operands from weight_pairs (per-expert (data, scale_inv, mode) triples)
+    for the device-ends GEMM: each as one strided view where the experts'
+    tensors are evenly spaced views of one tensor (what weight_pairs'
+    one-call cast makes), else stacked into one (a copy; for the weights
+    logged once)."""
     datas = [op[0] for op in w_forward]
     sis = [op[1] if op[1].dim() == 1 else op[1].reshape(1) for op in w_forward]
     b = _one_view(datas)
@@ -1282,16 +1289,18 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
     (device_split_offsets of the counts), counts_wait (moe_ops.counts_to_host
     of the counts: queued in the forward, read in the backward), dtype,
     num_gemms, (quantizers, is_first_microbatch, overwrite, lean, stacked),
-    *weights; ``stacked``: with ``lean``, the weights' [G, out, in] view).
+    *weights; ``stacked``: None, or with ``lean`` the weights' [G, out, in]
+    view of their one buffer, to be cast in one call).
 
     Forward: the input cast with each expert's delayed scale by
     ops.moe.cast_fp8_grouped_ends (the groups' ends read on the device, the
     amaxes folded into the state's slots as the host-count cast folds them,
     each row cast in place: no padding), the experts' weights cast as the
-    host-count route casts them (weight_pairs; with ``lean``, which keeps
-    no cast past the call, one cast of the stacked weights into the stacked
-    operands the product and the input gradient read, the same C cast,
-    bytes, scales and amaxes, without the per-expert caches), and the
+    host-count route casts them (weight_pairs; given ``stacked``, which
+    lean training passes where no cast is cached, one cast of the stacked
+    weights into the stacked operands the product and the input gradient
+    read: the same C cast, bytes, scales and amaxes, counted in each
+    expert's WeightQuantizer.casts, without the per-expert caches), and the
     product by the sm90
     kernel with the ends on the device (grouped_gemm_device_ends_fp8); the
     output has the input's rows.  Backward: the counts, copied to the host
@@ -1314,15 +1323,18 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         x = x.detach()
         probs = probs.detach() if swiglu else None
-        if lean:
-            release_weight_pairs(q)  # (a cast an earlier call kept goes: nothing is cached here)
-            b, b_t, b_si = moe_ops.cast_fp8_current_stacked(stacked.detach(), q.weights[0].fp8_dtype,
-                                                            margin=q.margin, transpose=need_dx, spaced=True,
+        if stacked is not None:
+            b, b_t, b_si = moe_ops.cast_fp8_current_stacked(stacked, q.weights[0].fp8_dtype, margin=q.margin,
+                                                            transpose=need_dx, spaced=True,
                                                             amax=q.state.role_slots(1, 3)[1])
+            for role in q.weights:  # (each expert's weight cast once, as weight_pairs counts it)
+                role.casts += 1
             pairs = None
         else:
             pairs = weight_pairs(q, weights, first)
             b, b_si = _stacked_fp8_weights([F8.weight_forward(p, "delayed") for p in pairs])
+            if lean:  # the forward operand's bytes go with this call's references to them
+                release_weight_pairs(q)
         scale, amax = q.state.role_slots(0, 3)
         fp8_dtype = q.inputs[0].fp8_dtype
         scale_used = scale.clone() if need_w else None  # (the state's scales change at the autocast exit)
