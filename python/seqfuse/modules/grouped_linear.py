@@ -869,8 +869,8 @@ class GroupedLinear(torch.nn.Module):
             # stack, no caches (else weight_pairs, which reuses what is cached and casts the rest)
             ws = self.weights()
             stacked = None
-            if lean and _one_buffer(ws) and ws[0].data_ptr() % 16 == 0 and all(r.pair is None for r in q.weights):
-                stacked = _stack(ws)[0]
+            if lean and ws[0].data_ptr() % 16 == 0 and all(r.pair is None for r in q.weights):
+                stacked = _buffer_view(ws)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
                                                          self.num_gemms,
                                                          (q, is_first_microbatch, overwrite, lean, stacked),
@@ -934,10 +934,20 @@ def _stack(ws):
     """(the weights ``ws`` as one [G, out, in] tensor without autograd
     history, whether it is a view): a view of their buffer where they are
     consecutive slices of one (_one_buffer), else a stack made now (a copy)."""
-    w0 = ws[0]
-    if _one_buffer(ws):
-        return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride())), True
+    view = _buffer_view(ws)
+    if view is not None:
+        return view, True
     return torch.stack([w.detach() for w in ws]), False
+
+
+def _buffer_view(ws):
+    """The weights ``ws`` as one [G, out, in] view of their buffer without
+    autograd history where they are consecutive slices of one
+    (_one_buffer), else None."""
+    if not _one_buffer(ws):
+        return None
+    w0 = ws[0]
+    return w0.detach().as_strided((len(ws), *w0.shape), (w0.numel(), *w0.stride()))
 
 
 def _one_buffer(ws):
