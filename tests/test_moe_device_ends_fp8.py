@@ -297,3 +297,57 @@ def test_ends_gemm_fp8_matches_the_padded_host_product(seed):
     for m, mp in zip(splits, padded):
         assert torch.equal(got[r:r + m], want[p:p + m])
         r, p = r + m, p + mp
+
+
+def test_refusals_of_statistics_checkpoints_and_expert_count(monkeypatch):
+    """The route's other refusals, each naming its rule (the device check
+    answered yes, bfloat16 weights on the CPU)."""
+    from seqfuse.quantization import recompute, stats
+
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    x = torch.randn(4, 32).bfloat16()
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        assert "at most 64 experts" in GroupedLinear(65, 32, 32, bias=False, params_dtype=torch.bfloat16,
+                                                     device="cpu").device_split_refusal(x)
+        monkeypatch.setattr(recompute, "open_contexts", 1)
+        assert "inside an activation checkpoint" in _layer().device_split_refusal(x)
+        monkeypatch.setattr(recompute, "open_contexts", 0)
+        stats.enable_stats(every=100)
+        try:
+            assert "FP8 statistics are on" in _layer().device_split_refusal(x)
+        finally:
+            stats.disable_stats()
+
+
+def test_sm90_device_query():
+    """C's answer for the kernel's device (asked once a device), through the
+    binding: a reason for a device id the kernel does not take, and for a CPU
+    device before C is asked; a non-integer device is a TypeError."""
+    from seqfuse import _C
+
+    assert "device ids 0 to 63" in _C.grouped_sm90_unfit(70) or "without CUDA" in _C.grouped_sm90_unfit(70)
+    assert moe_ops.sm90_kernel_refusal(torch.device("cpu")) == "the tensors are not on a CUDA device"
+    with pytest.raises(TypeError):
+        _C.grouped_sm90_unfit("0")
+
+
+def test_ends_gemm_fp8_argument_checks():
+    f8 = torch.float8_e4m3fn
+    a, b = torch.zeros(8, 32).to(f8), torch.zeros(2, 16, 32).to(f8)
+    s, ends = torch.ones(2), torch.tensor([4, 8], dtype=torch.int32)
+    gemm = moe_ops.grouped_gemm_device_ends_fp8
+    with pytest.raises(TypeError, match="argument 'a' must be float8_e4m3fn"):
+        gemm(a.to(torch.float8_e5m2), s, b, s, ends)
+    with pytest.raises(TypeError, match="argument 'b' must be float8_e4m3fn"):
+        gemm(a, s, b.float(), s, ends)
+    with pytest.raises(ValueError, match="takes a \\[M, K\\], b \\[G, N, K\\] and offsets \\[G\\]"):
+        gemm(a, s, b, s, torch.tensor([2, 4, 8], dtype=torch.int32))
+    with pytest.raises(TypeError, match="'offsets' must be a 1-D int32"):
+        gemm(a, s, b, s, ends.long())
+
+
+def test_one_view_takes_only_one_dtype():
+    base = torch.zeros(2, 4, dtype=torch.int32)
+    assert gl_module._one_view([base[0], base[1]]) is not None
+    mixed = [base[0], base[1].view(torch.float32)]  # (one base, the same element size, another dtype)
+    assert gl_module._one_view(mixed) is None

@@ -561,6 +561,16 @@ sf_status sf_grouped_gemm(const sf_grouped_gemm_args *args, sf_stream stream)
     return st;
 }
 
+const char *sf_grouped_sm90_unfit_device(int device_id)
+{
+#ifdef SF_WITH_CUDA
+    return sf_grouped_sm90_device_unfit(device_id);
+#else
+    (void)device_id;
+    return "the library was built without CUDA";
+#endif
+}
+
 /* ---- the groups' ends on the device (sf_grouped_gemm_device_ends) --------- */
 
 static const char DEV_OP[] = "grouped_gemm_device_ends";

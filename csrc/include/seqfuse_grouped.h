@@ -133,6 +133,11 @@ sf_status sf_grouped_gemm_device_ends(const sf_tensor *a, const sf_tensor *b, co
                                       const sf_tensor *a_scale_inv, const sf_tensor *b_scale_inv, sf_tensor *out,
                                       sf_stream stream);
 
+/* NULL when CUDA device `device_id` runs the sm90 kernel (compute
+ * capability 9.0 and this build's sm_90a code, asked of the device once),
+ * else why not, a static string (also for a build without CUDA). */
+const char *sf_grouped_sm90_unfit_device(int device_id);
+
 #ifdef __cplusplus
 }
 #endif

@@ -46,6 +46,15 @@ static PyObject *py_cuda_capability(PyObject *self, PyObject *arg)
     return Py_BuildValue("(ii)", cap / 10, cap % 10);
 }
 
+static PyObject *py_grouped_sm90_unfit(PyObject *self, PyObject *arg)
+{
+    long device;
+    if (sf_py_arg_long("grouped_sm90_unfit", "device", arg, &device) < 0)
+        return NULL;
+    const char *why = sf_grouped_sm90_unfit_device((int)device);
+    return why ? PyUnicode_FromString(why) : Py_NewRef(Py_None);
+}
+
 static PyObject *py_set_exchange_api(PyObject *self, PyObject *arg)
 {
     int enabled = PyObject_IsTrue(arg);
@@ -114,6 +123,9 @@ PyMethodDef sf_py_core_methods[] = {
      "cuda_driver_version() -> int: the driver's CUDA version, 0 without one."},
     {"cuda_capability", py_cuda_capability, METH_O,
      "cuda_capability(device) -> (major, minor)."},
+    {"grouped_sm90_unfit", py_grouped_sm90_unfit, METH_O,
+     "grouped_sm90_unfit(device) -> None or str: why CUDA device `device` cannot run the grouped GEMM's "
+     "sm90 kernel."},
     {"set_exchange_api", py_set_exchange_api, METH_O,
      "set_exchange_api(enabled) -> bool: use DLPack's C exchange API where the "
      "tensor type offers it; returns the previous setting."},

@@ -863,18 +863,17 @@ class GroupedLinear(torch.nn.Module):
                 x = x.clone()
             q = self._quantizers(recipe, x.device)
             _note_fresh_experts(q, self.num_gemms)
-            lean = not self.keep_fp8_weights and lean_weights(self.weights(), is_first_microbatch)
-            overwrite = wgrad_overwrite(self, self.weight0, is_first_microbatch)
+            ws = self.weights()
+            lean = not self.keep_fp8_weights and lean_weights(ws, is_first_microbatch)
+            overwrite = wgrad_overwrite(self, ws[0], is_first_microbatch)
             # lean, with the weights in one aligned buffer and no cast kept from another mode: one cast of the
             # stack, no caches (else weight_pairs, which reuses what is cached and casts the rest)
-            ws = self.weights()
             stacked = None
             if lean and ws[0].data_ptr() % 16 == 0 and all(r.pair is None for r in q.weights):
                 stacked = _buffer_view(ws)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
                                                          self.num_gemms,
-                                                         (q, is_first_microbatch, overwrite, lean, stacked),
-                                                         *self.weights())
+                                                         (q, is_first_microbatch, overwrite, lean, stacked), *ws)
         else:
             if recipe is not None:
                 # the weights' FP8 operands carry what the products read (where no transposed copy is kept,
