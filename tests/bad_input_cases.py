@@ -261,6 +261,26 @@ def op_specs():
                     swiglu_cast, ref=swiglu_cast_ref, tensors=["x", "probs", "scale", "amax"],
                     nan_args=["x", "probs", "scale"]))
 
+    def swiglu_bwd_ref(a):
+        x, p, dy = a["x"].double(), a["probs"].double(), a["dout"].double()
+        dy = torch.cat([dy[0:3], dy[16:21]])  # (the real rows of the padded blocks)
+        d = dy * p[:, None]
+        g, u = x[:, :16], x[:, 16:]
+        sig = torch.sigmoid(g)
+        dx = torch.cat([d * u * sig * (1 + g * (1 - sig)), d * g * sig], 1)
+        _, data_t, si, _ = swiglu_cast_ref(a)
+        return dx, (dy * g * sig * u).sum(1), data_t, si
+
+    def swiglu_bwd(a):
+        dx, dp, data_t, si = ops.moe.swiglu_backward_cast_fp8_grouped(a["dout"], a["x"], a["probs"], [3, 5], F8,
+                                                                     scale=a["scale"])
+        return dx, dp, data_t.float(), si
+
+    S.append(OpSpec("swiglu_backward_cast_fp8_grouped",
+                    lambda d: {"dout": r(32, 16, device=d), "x": r(8, 32, device=d), "probs": torch.rand(8, device=d),
+                               "scale": torch.tensor([2.0, 0.5], device=d)},
+                    swiglu_bwd, ref=swiglu_bwd_ref, tensors=["dout", "x", "probs", "scale"]))
+
     def current_list(a):
         data, data_t, si, scale, amax = ops.moe.cast_fp8_current_list(a["xs"], F8)
         return [t.float() for t in data + data_t] + [si, scale, amax]

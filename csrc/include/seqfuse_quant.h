@@ -125,6 +125,24 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
                                      sf_tensor *out_t, sf_tensor *scale_inv, int current, int margin,
                                      sf_stream stream);
 
+/* The SwiGLU's backward of a mixture-of-experts MLP's down projection
+ * under FP8, with that projection's weight-gradient operand, in one pass
+ * over the saved gate|up pairs x [M, 2K] (probs [M] or NULL, m_splits as
+ * sf_swiglu_cast_fp8_grouped's).  dout: the SwiGLU output's gradient,
+ * [M, K] or [Mp, K] where each group's rows lie in its block padded to
+ * row_multiple (as the grouped GEMM writes them; padding rows are not
+ * read), x's dtype.  Writes dx [M, 2K] and dprobs [M] (or NULL; needs
+ * probs) as sf_moe_swiglu_backward does, and, where out_t, scale and
+ * scale_inv are given (all or none), out_t [K, Mp] and scale_inv as
+ * sf_swiglu_cast_fp8_grouped with delayed scaling and no amax (the
+ * forward's scales: the same bytes as a transposed copy made then).
+ * dprobs sums each row in its own order: within float rounding of the
+ * CPU reference's. */
+sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+                                              const sf_tensor *m_splits, int row_multiple, sf_tensor *dx,
+                                              sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,
+                                              sf_tensor *scale_inv, sf_stream stream);
+
 /* The delayed-scaling grouped cast with the groups' ends on the device (a
  * mixture-of-experts layer whose routing counts never reach the host):
  * x [M, K] (or, swiglu = 1, [M, 2K] gate|up pairs and probs [M] or NULL,

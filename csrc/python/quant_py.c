@@ -25,6 +25,12 @@ SF_PY_OP(swiglu_cast_fp8_grouped, sf_swiglu_cast_fp8_grouped,
          "SwiGLU's output), computed in the same pass and never written in x's dtype.",
          (T, x), (OT, probs), (T, m_splits), (INT, row_multiple), (T, scale), (OT, amax), (OT, out),
          (OT, out_t), (T, scale_inv), (INT, current), (INT, margin));
+SF_PY_OP(swiglu_backward_cast_fp8_grouped, sf_swiglu_backward_cast_fp8_grouped,
+         "The SwiGLU's backward over the saved gate|up pairs x, dout in the grouped GEMM's padded row "
+         "blocks (or the real rows), into dx and dprobs, with the SwiGLU value's transposed FP8 copy "
+         "cast with the forward's scales into out_t (or none) in the same pass.",
+         (T, dout), (T, x), (OT, probs), (T, m_splits), (INT, row_multiple), (T, dx), (OT, dprobs),
+         (OT, scale), (OT, out_t), (OT, scale_inv));
 SF_PY_OP(cast_fp8_grouped_ends, sf_cast_fp8_grouped_ends,
          "The delayed-scaling grouped cast with the groups' end rows in an int32 tensor on the device: "
          "each row of x cast in place with its group's scale[g] (swiglu=1: of the SwiGLU of its gate|up "
@@ -104,6 +110,7 @@ SF_PY_BINDING(quantize_block_fp8_rowcol, rowcol_args, rowcol,
 const sf_py_binding *const sf_py_quant_bindings[] = {
     &amax_binding,           &cast_fp8_binding,         &cast_fp8_dbias_binding, &column_sums_binding,
     &cast_fp8_current_binding, &cast_fp8_grouped_binding, &swiglu_cast_fp8_grouped_binding,
+    &swiglu_backward_cast_fp8_grouped_binding,
     &cast_fp8_grouped_ends_binding,
     &cast_fp8_current_list_binding,
     &transpose_fp8_binding,  &dequantize_fp8_binding,

@@ -374,16 +374,13 @@ static sf_status check_grouped_rows(const char *op, const sf_tensor *x, int swig
     return SF_OK;
 }
 
-/* sf_cast_fp8_grouped (swiglu = 0: x holds the values cast) and
- * sf_swiglu_cast_fp8_grouped (swiglu = 1: each row of x is a gate|up pair of
- * 2K values, probs (or NULL) the rows' scales). */
-static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swiglu, const sf_tensor *probs,
-                                   const sf_tensor *m_splits, int row_multiple, sf_tensor *scale,
-                                   sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
-                                   sf_tensor *scale_inv, int current, int margin, sf_stream stream)
+/* The host row counts of a grouped entry: m_splits a contiguous 1-D int64
+ * CPU tensor of 1 to SF_CAST_MAX_GROUPS non-negative counts adding up to
+ * the m_total rows of x; row_multiple a positive multiple of 16.  *G and
+ * *padded receive the group count and the padded counts' sum. */
+static sf_status check_splits(const char *op, const sf_tensor *m_splits, int64_t m_total, int row_multiple,
+                              int64_t *G_out, int64_t *padded_out)
 {
-    int64_t m_total, k;
-    SF_TRY(check_grouped_rows(op, x, swiglu, probs, &m_total, &k));
     SF_TRY(sf_check_dtype(op, "m_splits", m_splits, SF_INT64));
     if (m_splits->device != SF_CPU || m_splits->ndim != 1 || !sf_is_contiguous(m_splits))
         return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' must be a contiguous 1-D int64 CPU "
@@ -395,8 +392,6 @@ static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swigl
     if (row_multiple < 16 || row_multiple % 16)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'row_multiple' must be a positive multiple of "
                        "16 (the FP8 GEMMs' token granularity), got %d", op, row_multiple);
-    if (!out && !out_t)
-        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
     const int64_t *splits = (const int64_t *)m_splits->data;
     int64_t rows = 0, padded = 0;
     for (int64_t g = 0; g < G; ++g) {
@@ -411,6 +406,26 @@ static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swigl
     if (rows != m_total)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but 'x' has %lld",
                        op, (long long)rows, (long long)m_total);
+    *G_out = G;
+    *padded_out = padded;
+    return SF_OK;
+}
+
+/* sf_cast_fp8_grouped (swiglu = 0: x holds the values cast) and
+ * sf_swiglu_cast_fp8_grouped (swiglu = 1: each row of x is a gate|up pair of
+ * 2K values, probs (or NULL) the rows' scales). */
+static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swiglu, const sf_tensor *probs,
+                                   const sf_tensor *m_splits, int row_multiple, sf_tensor *scale,
+                                   sf_tensor *amax, sf_tensor *out, sf_tensor *out_t,
+                                   sf_tensor *scale_inv, int current, int margin, sf_stream stream)
+{
+    int64_t m_total, k;
+    SF_TRY(check_grouped_rows(op, x, swiglu, probs, &m_total, &k));
+    int64_t G, padded;
+    SF_TRY(check_splits(op, m_splits, m_total, row_multiple, &G, &padded));
+    if (!out && !out_t)
+        return sf_fail(SF_ERR_VALUE, "%s: at least one of 'out' and 'out_t' must be given", op);
+    const int64_t *splits = (const int64_t *)m_splits->data;
     static const char rule[] = "every group's rows padded to a multiple of row_multiple";
     if (out)
         SF_TRY(check_grouped_out(op, "out", out, padded, k, "x", x, rule));
@@ -469,6 +484,130 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
 {
     return cast_grouped_rows("swiglu_cast_fp8_grouped", x, 1, probs, m_splits, row_multiple, scale, amax,
                              out, out_t, scale_inv, current, margin, stream);
+}
+
+/* ---- the SwiGLU's backward over padded blocks (sf_swiglu_backward_cast_fp8_grouped) ----
+ *
+ * The backward of a mixture-of-experts MLP's down projection under FP8
+ * needs two things from the gate|up pairs it saved: the SwiGLU's gradient
+ * (dx, dprobs) from the input gradient the grouped GEMM wrote in padded
+ * row blocks, and, for the weight gradient, the SwiGLU's value cast to FP8
+ * and transposed with the scales the forward's cast used.  One pass reads
+ * the pairs once for both and reads the padded blocks where they lie (no
+ * copy of the real rows first).  On the CPU it is the two reference ops,
+ * group by group: sf_moe_swiglu_backward, then sf_swiglu_cast_fp8_grouped. */
+
+/* Rows r0 .. r0 + n - 1 of a contiguous 2-D or 1-D tensor, as a view. */
+static sf_tensor row_view(const sf_tensor *t, int64_t r0, int64_t n)
+{
+    sf_tensor v = *t;
+    v.data = (char *)t->data + (size_t)(r0 * (t->ndim == 2 ? t->shape[1] : 1)) * sf_dtype_size(t->dtype);
+    v.shape[0] = n;
+    return v;
+}
+
+/* A dense operand of the fused backward: x's dtype, contiguous, 2-D
+ * [rows, cols] (rows_alt: a second row count allowed, 0: none), on x's device,
+ * 16-byte aligned off the CPU; `written`: an output. */
+static sf_status check_bwd_dense(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
+                                 int64_t rows_alt, int64_t cols, const sf_tensor *x, int written)
+{
+    SF_TRY(sf_check_float_input(op, arg, t));
+    SF_TRY(sf_check_dtype(op, arg, t, x->dtype));
+    SF_TRY(sf_check_contiguous(op, arg, t));
+    SF_TRY(sf_check_same_device(op, "x", x, arg, t));
+    if (written)
+        SF_TRY(sf_check_writable(op, arg, t));
+    if (t->ndim != 2 || (t->shape[0] != rows && t->shape[0] != rows_alt) || t->shape[1] != cols) {
+        if (rows_alt && rows_alt != rows)
+            return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld] (the real rows) or "
+                           "[%lld, %lld] (every group's rows padded to row_multiple)", op, arg, (long long)rows,
+                           (long long)cols, (long long)rows_alt, (long long)cols);
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld]", op, arg, (long long)rows,
+                       (long long)cols);
+    }
+    if (t->device != SF_CPU && (uintptr_t)t->data % 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must be 16-byte aligned", op, arg);
+    return SF_OK;
+}
+
+sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+                                              const sf_tensor *m_splits, int row_multiple, sf_tensor *dx,
+                                              sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,
+                                              sf_tensor *scale_inv, sf_stream stream)
+{
+    static const char op[] = "swiglu_backward_cast_fp8_grouped";
+    int64_t m, k, G, padded;
+    SF_TRY(check_grouped_rows(op, x, 1, probs, &m, &k));
+    SF_TRY(check_splits(op, m_splits, m, row_multiple, &G, &padded));
+    SF_TRY(check_bwd_dense(op, "dout", dout, m, padded, k, x, 0));
+    SF_TRY(check_bwd_dense(op, "dx", dx, m, 0, 2 * k, x, 1));
+    if (dprobs) {
+        if (!probs)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' goes with 'probs'", op);
+        SF_TRY(sf_check_float_input(op, "dprobs", dprobs));
+        SF_TRY(sf_check_contiguous(op, "dprobs", dprobs));
+        SF_TRY(sf_check_writable(op, "dprobs", dprobs));
+        SF_TRY(sf_check_same_device(op, "x", x, "dprobs", dprobs));
+        if (dprobs->ndim != 1 || dprobs->shape[0] != m)
+            return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' must be 1-D with one entry per row of x (%lld)",
+                           op, (long long)m);
+    }
+    if (!out_t != !scale || !out_t != !scale_inv)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments 'out_t', 'scale' and 'scale_inv' go together (the "
+                       "SwiGLU's value cast for the weight gradient), or all three are left out", op);
+    if (out_t)
+        SF_TRY(check_grouped_out(op, "out_t", out_t, k, padded, "x", x,
+                                 "every group's rows padded to a multiple of row_multiple"));
+    {
+        const sf_mem_arg outs[] = {{"dx", dx, NULL}, {"dprobs", dprobs, NULL}, {"out_t", out_t, NULL},
+                                   {"scale_inv", scale_inv, NULL}};
+        const sf_mem_arg ins[] = {{"dout", dout, NULL}, {"x", x, NULL}, {"probs", probs, NULL},
+                                  {"m_splits", m_splits, NULL}, {"scale", scale, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 4, ins, 5));
+    }
+    sf_cast_grouped_args a = {.x_dtype = x->dtype, .k = k, .groups = G, .swiglu = 1,
+                              .probs_dtype = probs ? probs->dtype : SF_FLOAT32};
+    if (out_t)
+        SF_TRY(grouped_scaling(op, "x", x, &a, scale, NULL, scale_inv, out_t->dtype, 0, 0));
+    const int dout_padded = dout->shape[0] != m;
+    const int64_t *splits = (const int64_t *)m_splits->data;
+    if (x->device == SF_CPU) {
+        int64_t r = 0, p = 0;
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t mg = splits[g];
+            if (mg) {
+                sf_tensor dout_g = row_view(dout, dout_padded ? p : r, mg), x_g = row_view(x, r, mg);
+                sf_tensor dx_g = row_view(dx, r, mg), probs_g, dprobs_g;
+                if (probs)
+                    probs_g = row_view(probs, r, mg);
+                if (dprobs)
+                    dprobs_g = row_view(dprobs, r, mg);
+                SF_TRY(sf_moe_swiglu_backward(&dout_g, &x_g, probs ? &probs_g : NULL, &dx_g,
+                                              dprobs ? &dprobs_g : NULL, stream));
+            }
+            r += mg;
+            p += (mg + row_multiple - 1) / row_multiple * row_multiple;
+        }
+        if (!out_t)
+            return SF_OK;
+        return sf_swiglu_cast_fp8_grouped(x, probs, m_splits, row_multiple, scale, NULL, NULL, out_t, scale_inv,
+                                          0, 0, stream);
+    }
+    int64_t *mp = (int64_t *)malloc((size_t)G * sizeof(int64_t));
+    if (!mp)
+        return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
+    for (int64_t g = 0; g < G; ++g)
+        mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
+    sf_swiglu_bwd_grouped_args b = {
+        .dtype = x->dtype, .k = k, .groups = G, .m = splits, .mp = mp, .x = x->data, .dout = dout->data,
+        .dout_padded = dout_padded, .probs = probs ? probs->data : NULL,
+        .probs_dtype = probs ? probs->dtype : SF_FLOAT32, .dx = dx->data,
+        .dprobs = dprobs ? dprobs->data : NULL, .dprobs_dtype = dprobs ? dprobs->dtype : SF_FLOAT32,
+        .out_t = out_t ? (uint8_t *)out_t->data : NULL, .ld_t = padded, .cast = out_t ? &a : NULL};
+    sf_status st = SF_IF_CUDA(op, "x", sf_swiglu_backward_grouped_cuda(&b, x->device_id, stream));
+    free(mp);
+    return st;
 }
 
 /* ---- the groups' ends on the device (sf_cast_fp8_grouped_ends) ----------

@@ -102,6 +102,28 @@ typedef struct {
 sf_status sf_cast_fp8_grouped_cpu(const sf_cast_grouped_args *a);
 sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int device, sf_stream stream);
 
+/* sf_swiglu_backward_cast_fp8_grouped after validation: group g's m[g]
+ * rows start at row sum(m[..g]) of x [M, 2k] (gate|up pairs), dx, probs
+ * and dprobs, and at row sum(m[..g]) (dout_padded: sum(mp[..g])) of dout
+ * [., k]; cast (NULL: no cast) holds the scaling vectors and format of
+ * the SwiGLU value's transposed copy out_t [k, ld_t], group g's block at
+ * column sum(mp[..g]). */
+typedef struct {
+    sf_dtype dtype; /* x, dout, dx */
+    int64_t k, groups;
+    const int64_t *m, *mp; /* host arrays */
+    const void *x, *dout, *probs;
+    int dout_padded;
+    sf_dtype probs_dtype;
+    void *dx, *dprobs;
+    sf_dtype dprobs_dtype;
+    uint8_t *out_t;
+    int64_t ld_t;
+    const sf_cast_grouped_args *cast;
+} sf_swiglu_bwd_grouped_args;
+
+sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_bwd_grouped_args *a, int device, sf_stream stream);
+
 /* The most groups sf_cast_fp8_grouped_ends takes (its kernel keeps the
  * groups' ends, scales and amaxes in shared memory). */
 #define SF_CAST_ENDS_MAX_GROUPS 64

@@ -692,7 +692,8 @@ static_assert(sizeof(GroupTable) + sizeof(GroupScales) + sizeof(int64_t) <= 4096
               "a grouped cast's kernel parameters must fit CUDA's 4 KB");
 
 /* This CTA's group (the last one whose first tile is <= blockIdx.x). */
-__device__ __forceinline__ int group_of_block(const GroupTable &tab)
+template <typename Table>
+__device__ __forceinline__ int group_of_block(const Table &tab)
 {
     int lo = 0, hi = tab.n - 1;
     while (lo < hi) {
@@ -842,6 +843,186 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
 }
 
 } // namespace
+
+/* The SwiGLU's backward over padded blocks with its value's transposed FP8
+ * copy (sf_swiglu_backward_cast_fp8_grouped).  Every CTA takes one 128-row
+ * block of one group and walks its K columns 128 at a time: for each tile
+ * it loads the gate, up and dout values of its rows once, writes dx (the
+ * gate and up gradients) row-wise, parks the FP8 bytes of the SwiGLU value
+ * (swiglu_value, cast with the group's scale) in the swizzled tile and
+ * writes them transposed as cast_transpose does.  A row's probability
+ * gradient is a sum over all K columns, so one CTA owns whole rows: each
+ * thread sums its 8 rows over its columns, the 16 threads of a row add up
+ * in a fixed shuffle order, and no atomics or second pass are needed. */
+struct BwdTable {
+    int n, first;
+    int tile_start[kGroupsPerLaunch + 1]; /* group i's 128-row blocks */
+    int64_t row[kGroupsPerLaunch];        /* its first row of x, dx, probs, dprobs */
+    int64_t drow[kGroupsPerLaunch];       /* its first row of dout */
+    int64_t col[kGroupsPerLaunch];        /* its first column of out_t */
+    int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch];
+};
+
+struct BwdPtrs {
+    const void *x, *dout, *probs;
+    void *dx, *dprobs;
+    sf_dtype pd, dpd;
+    uint8_t *out_t;
+    int64_t k, ld_t;
+    const float *scale;
+    float *scale_inv;
+    int64_t scale_stride, scale_inv_stride;
+};
+
+static_assert(sizeof(BwdTable) + sizeof(BwdPtrs) <= 4096,
+              "the grouped SwiGLU backward's kernel parameters must fit CUDA's 4 KB");
+
+template <typename T, bool E5M2, bool CAST>
+__global__ void __launch_bounds__(kThreads, 2)
+grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
+{
+    __shared__ __align__(16) uint32_t tile[CAST ? kTile : 1][kWords];
+    const int i = group_of_block(tab);
+    const int64_t g = tab.first + i, m = tab.m[i], mp = tab.mp[i], k = pt.k;
+    const int64_t m0 = (int64_t)(blockIdx.x - tab.tile_start[i]) * kTile;
+    float scale = 1.0f;
+    if constexpr (CAST) {
+        scale = pt.scale[g * pt.scale_stride];
+        if (m0 == 0 && threadIdx.x == 0)
+            pt.scale_inv[g * pt.scale_inv_stride] = __fdiv_rn(1.0f, scale);
+        if (blockIdx.x == 0)
+            for (int j = threadIdx.x; j < tab.n; j += blockDim.x)
+                if (tab.tile_start[j + 1] == tab.tile_start[j]) { /* a group with no rows */
+                    const int64_t gj = tab.first + j;
+                    pt.scale_inv[gj * pt.scale_inv_stride] = __fdiv_rn(1.0f, pt.scale[gj * pt.scale_stride]);
+                }
+    }
+    if (tab.tile_start[i + 1] == tab.tile_start[i])
+        return; /* (the one CTA of a launch whose groups have no rows) */
+    const T *x = static_cast<const T *>(pt.x) + tab.row[i] * 2 * k;
+    const T *dout = static_cast<const T *>(pt.dout) + tab.drow[i] * k;
+    T *dx = static_cast<T *>(pt.dx) + tab.row[i] * 2 * k;
+    uint8_t *out_t = CAST ? pt.out_t + tab.col[i] : nullptr;
+    const int t = threadIdx.x, lj = t & 15, lr = t >> 4;
+    const int warp = t >> 5, lane = t & 31, kw = warp * 4 + (lane >> 3), mg = lane & 7;
+    float p[8], dp[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int64_t r = m0 + lr + 16 * j;
+        p[j] = pt.probs && r < m ? sf_moe_ld(pt.probs, pt.pd, tab.row[i] + r) : 1.0f;
+        dp[j] = 0.0f;
+    }
+    for (int64_t k0 = 0; k0 < k; k0 += kTile) {
+        const int64_t kc = k0 + lj * 8;
+#pragma unroll
+        for (int ph = 0; ph < 8; ph += 4) {
+            sf_raw8<T> rg[4], ru[4], rd[4];
+            bool ok[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int64_t r = m0 + lr + 16 * (ph + j);
+                ok[j] = r < m && kc < k;
+                if (ok[j]) {
+                    sf_load_raw8(x + r * 2 * k + kc, rg[j]);
+                    sf_load_raw8(x + r * 2 * k + k + kc, ru[j]);
+                    sf_load_raw8(dout + r * k + kc, rd[j]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int jj = ph + j, row = lr + 16 * jj;
+                uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
+                if (ok[j]) {
+                    float gv[8], uv[8], dv[8], dg[8], du[8], sv[8];
+                    sf_unpack8(rg[j], gv);
+                    sf_unpack8(ru[j], uv);
+                    sf_unpack8(rd[j], dv);
+                    const int64_t r = m0 + row;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) { /* (moe_swiglu_backward's expressions) */
+                        const float s = sf_moe_silu(gv[e]);
+                        dg[e] = dv[e] * p[jj] * uv[e] * sf_moe_dsilu(gv[e]);
+                        du[e] = dv[e] * p[jj] * s;
+                        dp[jj] += dv[e] * s * uv[e];
+                        if constexpr (CAST)
+                            sv[e] = __fmul_rn(swiglu_value<T>(gv[e], uv[e], p[jj]), scale);
+                    }
+                    sf_vec::store_f<T, 8>(dx + r * 2 * k + kc, dg);
+                    sf_vec::store_f<T, 8>(dx + r * 2 * k + k + kc, du);
+                    if constexpr (CAST) {
+                        w.x = sf_cvt4<E5M2>(sv);
+                        w.y = sf_cvt4<E5M2>(sv + 4);
+                    }
+                }
+                if constexpr (CAST)
+                    *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
+            }
+        }
+        if constexpr (CAST) {
+            __syncthreads();
+            store_tile_transposed(tile, m0, k0, mp, k, pt.ld_t, kw, mg, out_t);
+            __syncthreads();
+        }
+    }
+    if (pt.dprobs) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float v = dp[j]; /* the 16 threads of row lr + 16 j: one half of a warp */
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            const int64_t r = m0 + lr + 16 * j;
+            if (lj == 0 && r < m)
+                sf_moe_st(pt.dprobs, pt.dpd, tab.row[i] + r, v);
+        }
+    }
+}
+
+template <typename T>
+sf_status launch_swiglu_backward_grouped(const sf_swiglu_bwd_grouped_args *a, cudaStream_t stream)
+{
+    static const char op[] = "swiglu_backward_cast_fp8_grouped";
+    const sf_cast_grouped_args *c = a->cast;
+    BwdPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
+                  a->ld_t, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
+                  c ? c->scale_inv_stride : 0};
+    int64_t row = 0, prow = 0;
+    for (int64_t first = 0; first < a->groups; first += kGroupsPerLaunch) {
+        BwdTable tab;
+        tab.n = (int)(a->groups - first < kGroupsPerLaunch ? a->groups - first : kGroupsPerLaunch);
+        tab.first = (int)first;
+        int64_t blocks = 0;
+        for (int i = 0; i < tab.n; ++i) {
+            const int64_t g = first + i;
+            tab.tile_start[i] = (int)blocks;
+            tab.row[i] = row;
+            tab.drow[i] = a->dout_padded ? prow : row;
+            tab.col[i] = prow;
+            tab.m[i] = a->m[g];
+            tab.mp[i] = a->mp[g];
+            row += a->m[g];
+            prow += a->mp[g];
+            blocks += (a->mp[g] + kTile - 1) / kTile;
+            if (blocks > 0x7fffffff)
+                return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many 128-row blocks (%lld)", op,
+                               (long long)blocks);
+        }
+        tab.tile_start[tab.n] = (int)blocks;
+        if (blocks == 0 && !c)
+            continue;
+        /* at least one CTA: with the cast it writes the scale inverses of groups with no rows */
+        const int grid = blocks > 0 ? (int)blocks : 1;
+        if (!c)
+            grouped_swiglu_backward_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(tab, pt);
+        else if (c->e5m2)
+            grouped_swiglu_backward_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(tab, pt);
+        else
+            grouped_swiglu_backward_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(tab, pt);
+        SF_CUDA_CHECK_LAUNCH(op);
+    }
+    return SF_OK;
+}
 
 /* The entries have checked K % 16 == 0, 16-byte aligned inputs and outputs,
  * padded rows and out_t row strides multiples of 16: the tiled kernel's rules. */
@@ -1095,6 +1276,19 @@ extern "C" sf_status sf_column_sums_cuda(const float *ws, int64_t parts, int64_t
     SF_TRY(sf_cuda_device_enter("column_sums", device, &guard));
     sf_status st = sf_visit_float("column_sums", "out", out_dtype, [&](auto tag) {
         return sf_vec::launch_column_sums<typename decltype(tag)::type>("column_sums", ws, (int)parts, n, out, stream);
+    });
+    sf_cuda_device_restore(&guard);
+    return st;
+}
+
+extern "C" sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_bwd_grouped_args *a, int device, sf_stream s)
+{
+    static const char op[] = "swiglu_backward_cast_fp8_grouped";
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter(op, device, &guard));
+    sf_status st = sf_visit_float(op, "x", a->dtype, [&](auto tag) {
+        return launch_swiglu_backward_grouped<typename decltype(tag)::type>(a, stream);
     });
     sf_cuda_device_restore(&guard);
     return st;

@@ -1197,7 +1197,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs)
 
 
-def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=None):
+def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=None, swiglu_cast=None):
     """The backward both FP8 grouped Functions share (Fp8GroupedLinearFunction,
     DeviceEndsFp8GroupedLinearFunction), given the host row counts
     ``splits`` and their ``padded`` counts: the output gradient cast for
@@ -1207,7 +1207,13 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     scales ``probs``), and the weight gradients against the input's
     transposed FP8 copy ``x_col`` (_operand's forms, or a callable that
     makes it, called only where a weight gradient is wanted), accumulated
-    into main_grad where every weight has one.  ``ctx`` carries G, q, dtype,
+    into main_grad where every weight has one.  The SwiGLU's backward reads
+    the input gradient in the grouped GEMM's padded blocks
+    (swiglu_backward_cast_fp8_grouped); given ``swiglu_cast`` (the
+    forward's per-expert scales and FP8 dtype of the SwiGLU value's cast)
+    and a weight gradient to make, the same pass makes x_col (the value's
+    transposed copy with those scales: the bytes a forward copy would hold)
+    instead of ``x_col``.  ``ctx`` carries G, q, dtype,
     K, swiglu, overwrite, bias_dtypes, weights and the Function's
     needs_input_grad (x and probs first, the weights from _FP8_ARGS on);
     returns the Function's gradients."""
@@ -1230,9 +1236,18 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     dx = dprobs = None
     if need_dx:
         out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
-        dx = _unpad(_grouped(g_row, w_dg, padded, out), splits, padded)
-        if ctx.swiglu:
-            dx, dprobs = moe_ops.swiglu_backward(dx, h, probs, ctx.needs_input_grad[1])
+        dgrad = _grouped(g_row, w_dg, padded, out)
+        if ctx.swiglu and dgrad.dtype == h.dtype:
+            cast = swiglu_cast if need_dw else None
+            dx, dprobs, data_t, si = moe_ops.swiglu_backward_cast_fp8_grouped(
+                dgrad, h, probs, splits, cast[1] if cast else None, scale=cast[0] if cast else None,
+                need_dprobs=ctx.needs_input_grad[1])
+            if data_t is not None:
+                x_col = _Columns(GroupedFloat8(None, data_t, si, padded))
+        elif ctx.swiglu:  # (an input gradient in another dtype than the saved pairs)
+            dx, dprobs = moe_ops.swiglu_backward(_unpad(dgrad, splits, padded), h, probs, ctx.needs_input_grad[1])
+        else:
+            dx = _unpad(dgrad, splits, padded)
     dws = [None] * G
     if need_dw:
         if callable(x_col):
@@ -1409,4 +1424,6 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
                 _, data_t, si = moe_ops.cast_fp8_grouped(x, splits, fp8_dtype, scale=scale_used, rowwise=False,
                                                          transpose=True)
             return _Columns(GroupedFloat8(None, data_t, si, padded))
-        return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs)
+        # (with the SwiGLU's backward, that pass makes x_col itself with the same scales)
+        swiglu_cast = (scale_used, fp8_dtype) if ctx.has_probs and scale_used is not None else None
+        return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs, swiglu_cast)

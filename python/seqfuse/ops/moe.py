@@ -61,7 +61,7 @@ __all__ = ["dense", "grouped_gemm", "grouped_gemm_device", "grouped_gemm_device_
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss", "moe_z_loss", "moe_row_id_map", "moe_permute",
            "moe_permute_with_probs", "moe_permute_by_row_id_map", "moe_unpermute", "scaled_swiglu",
-           "swiglu_forward", "swiglu_backward", "swiglu_cast_fp8_grouped"]
+           "swiglu_forward", "swiglu_backward", "swiglu_cast_fp8_grouped", "swiglu_backward_cast_fp8_grouped"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SCORES = {"softmax": 0, "sigmoid": 1}
@@ -669,6 +669,54 @@ def swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, *, scale, amax=None, 
         probs = _float_tensor(op, "probs", probs, 1)
     return _cast_grouped(op, x, True, probs, m_splits, fp8_dtype, scale, amax, rowwise, transpose, current,
                          margin, row_multiple)
+
+
+def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *, scale=None, need_dprobs=True,
+                                     row_multiple=FP8_ROW_MULTIPLE):
+    """The SwiGLU's backward in a grouped MLP's FP8 down projection, with
+    that projection's weight-gradient operand, in one pass over the saved
+    gate|up pairs.
+
+    x [M, 2K] (each row's gate then up values), ``probs`` [M] or None and
+    ``m_splits`` (host row counts) as :func:`swiglu_cast_fp8_grouped`'s.
+    ``dout``: the gradient of the SwiGLU's output, [M, K], or [Mp, K] with
+    each group's rows at the start of its block padded to ``row_multiple``
+    (what the grouped GEMM writes; the padding rows are not read), x's
+    dtype.  Returns ``(dx, dprobs, data_t, scale_inv)``: dx [M, 2K] and
+    dprobs [M] (None without probs or ``need_dprobs``) as
+    :func:`swiglu_backward` gives them (dprobs summed in another order:
+    within float rounding), and, where ``fp8_dtype`` is given, the SwiGLU
+    value's transposed FP8 copy data_t [K, Mp] with its scale inverses as
+    ``swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, scale=scale,
+    rowwise=False)`` makes them under delayed scaling with no amax (pass
+    the scales the forward's cast used: the same bytes), else None, None."""
+    op = "swiglu_backward_cast_fp8_grouped"
+    x = _tensor(op, "x", x)
+    dout = _tensor(op, "dout", dout)
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"{op}: argument 'x' must be 2-D [M, 2K] (gate and up halves), got shape "
+                         f"{tuple(x.shape)}")
+    if probs is not None:
+        probs = _float_tensor(op, "probs", probs, 1)
+    splits = host_splits(op, m_splits)
+    if isinstance(row_multiple, bool) or not isinstance(row_multiple, int):
+        raise TypeError(f"{op}: argument 'row_multiple' must be an int, got {type(row_multiple).__name__}")
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dprobs = torch.empty_like(probs) if probs is not None and need_dprobs else None
+    data_t = scale_inv = None
+    if fp8_dtype is not None:
+        require_fp8_dlpack(op)
+        fp8_dtype = fp8_dtype_of(fp8_dtype, op)
+        if scale is None:
+            raise ValueError(f"{op}: argument 'scale' (the forward's per-group scales) goes with fp8_dtype")
+        mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
+        data_t = torch.empty((x.shape[1] // 2, mp), dtype=fp8_dtype, device=x.device)
+        scale_inv = _spaced_scale_inv(len(splits), x.device)
+    elif scale is not None:
+        raise ValueError(f"{op}: argument 'scale' goes with fp8_dtype (the SwiGLU value's cast)")
+    _C.swiglu_backward_cast_fp8_grouped(dense(dout), x, probs, torch.tensor(splits, dtype=torch.int64),
+                                        int(row_multiple), dx, dprobs, scale, data_t, scale_inv, stream_for(x))
+    return dx, dprobs, data_t, scale_inv
 
 
 def cast_fp8_grouped_ends(x, row_end, fp8_dtype, *, scale, amax=None, swiglu=False, probs=None):
