@@ -905,18 +905,14 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
     uint8_t *out_t = CAST ? pt.out_t + tab.col[i] : nullptr;
     const int t = threadIdx.x, lj = t & 15, lr = t >> 4;
     const int warp = t >> 5, lane = t & 31, kw = warp * 4 + (lane >> 3), mg = lane & 7;
-    float p[8], dp[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int64_t r = m0 + lr + 16 * j;
-        p[j] = pt.probs && r < m ? sf_moe_ld(pt.probs, pt.pd, tab.row[i] + r) : 1.0f;
-        dp[j] = 0.0f;
-    }
+    float dp[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const int64_t row0 = tab.row[i];
     for (int64_t k0 = 0; k0 < k; k0 += kTile) {
         const int64_t kc = k0 + lj * 8;
 #pragma unroll
         for (int ph = 0; ph < 8; ph += 4) {
             sf_raw8<T> rg[4], ru[4], rd[4];
+            float p[4];
             bool ok[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -926,6 +922,7 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
                     sf_load_raw8(x + r * 2 * k + kc, rg[j]);
                     sf_load_raw8(x + r * 2 * k + k + kc, ru[j]);
                     sf_load_raw8(dout + r * k + kc, rd[j]);
+                    p[j] = pt.probs ? sf_moe_ld(pt.probs, pt.pd, row0 + r) : 1.0f;
                 }
             }
 #pragma unroll
@@ -933,26 +930,28 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
                 const int jj = ph + j, row = lr + 16 * jj;
                 uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
                 if (ok[j]) {
-                    float gv[8], uv[8], dv[8], dg[8], du[8], sv[8];
+                    float gv[8], uv[8], dv[8], dg[8], du[8];
                     sf_unpack8(rg[j], gv);
                     sf_unpack8(ru[j], uv);
                     sf_unpack8(rd[j], dv);
                     const int64_t r = m0 + row;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) { /* (moe_swiglu_backward's expressions) */
-                        const float s = sf_moe_silu(gv[e]);
-                        dg[e] = dv[e] * p[jj] * uv[e] * sf_moe_dsilu(gv[e]);
-                        du[e] = dv[e] * p[jj] * s;
-                        dp[jj] += dv[e] * s * uv[e];
+                    for (int h = 0; h < 2; ++h) { /* (four values at a time: the FP8 word of each half) */
+                        float sv[4];
+#pragma unroll
+                        for (int e = 4 * h; e < 4 * h + 4; ++e) { /* (moe_swiglu_backward's expressions) */
+                            const float s = sf_moe_silu(gv[e]);
+                            dg[e] = dv[e] * p[j] * uv[e] * sf_moe_dsilu(gv[e]);
+                            du[e] = dv[e] * p[j] * s;
+                            dp[jj] += dv[e] * s * uv[e];
+                            if constexpr (CAST)
+                                sv[e - 4 * h] = __fmul_rn(swiglu_value<T>(gv[e], uv[e], p[j]), scale);
+                        }
                         if constexpr (CAST)
-                            sv[e] = __fmul_rn(swiglu_value<T>(gv[e], uv[e], p[jj]), scale);
+                            (h ? w.y : w.x) = sf_cvt4<E5M2>(sv);
                     }
                     sf_vec::store_f<T, 8>(dx + r * 2 * k + kc, dg);
                     sf_vec::store_f<T, 8>(dx + r * 2 * k + k + kc, du);
-                    if constexpr (CAST) {
-                        w.x = sf_cvt4<E5M2>(sv);
-                        w.y = sf_cvt4<E5M2>(sv + 4);
-                    }
                 }
                 if constexpr (CAST)
                     *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
