@@ -272,7 +272,7 @@ def op_specs():
         return dx, (dy * g * sig * u).sum(1), data_t, si
 
     def swiglu_bwd(a):
-        dx, dp, data_t, si = ops.moe.swiglu_backward_cast_fp8_grouped(a["dout"], a["x"], a["probs"], [3, 5], F8,
+        dx, dp, data_t, si, _ = ops.moe.swiglu_backward_cast_fp8_grouped(a["dout"], a["x"], a["probs"], [3, 5], F8,
                                                                      scale=a["scale"])
         return dx, dp, data_t.float(), si
 

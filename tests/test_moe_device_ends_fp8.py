@@ -351,3 +351,78 @@ def test_one_view_takes_only_one_dtype():
     assert gl_module._one_view([base[0], base[1]]) is not None
     mixed = [base[0], base[1].view(torch.float32)]  # (one base, the same element size, another dtype)
     assert gl_module._one_view(mixed) is None
+
+
+def _mlp_pairs():
+    """Two alike (gate-up, down) GroupedLinear pairs: 4 experts, 32 -> 2 x 48 -> 32."""
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        pairs.append((GroupedLinear(4, 32, 96, bias=False, params_dtype=torch.bfloat16, device="cpu"),
+                      GroupedLinear(4, 48, 32, bias=False, params_dtype=torch.bfloat16, device="cpu")))
+    return pairs
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["handed", "accumulated"])
+def test_grad_handoff_equals_the_gate_up_layers_own_cast(accumulate, monkeypatch, caplog, seed):
+    """GroupedMLP's two device-ends layers sharing a GradHandoff: the down
+    projection's SwiGLU backward casts the gate-up layer's output gradient
+    (swiglu_backward_cast_fp8_grouped's grad outputs) and the gate-up
+    layer's backward takes those copies instead of casting them itself,
+    with the same outputs, gradients and scaling states bit for bit as the
+    same pair without the handoff.  ``accumulated``: the gate-up output also
+    feeds another term of the loss, so its gradient is not the tensor the
+    down projection cast: the gate-up layer casts its own, logged."""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    recipe = DelayedScaling()
+    pairs = _mlp_pairs()
+    M = sum(SPLITS)
+    xw, pw = torch.randn(M, 32).bfloat16(), torch.rand(M)
+    with fp8_autocast(fp8_recipe=recipe):  # the warm step (every expert's first casts) of both pairs
+        ys = [fc2(fc1(xw, WARM), WARM, swiglu_probs=pw) for fc1, fc2 in pairs]
+    for y in ys:
+        y.float().sum().backward()
+    for fc1, fc2 in pairs:
+        fc1.zero_grad(set_to_none=True)
+        fc2.zero_grad(set_to_none=True)
+    grad_casts = []
+    real = gl_module.quantize_grouped
+
+    def spy(q, role, x, *a, **kw):
+        grad_casts.append((role, x.shape[1]))
+        return real(q, role, x, *a, **kw)
+
+    monkeypatch.setattr(gl_module, "quantize_grouped", spy)
+    counts = torch.tensor(SPLITS)
+    for step in range(2):
+        x, probs = torch.randn(M, 32).bfloat16(), torch.rand(M)
+        dy = torch.randn(M, 32).bfloat16()
+        # both pairs' forwards in one autocast region (its exit updates every scaling state once)
+        runs = []
+        with fp8_autocast(fp8_recipe=recipe):
+            for (fc1, fc2), link in zip(pairs, (gl_module.GradHandoff(), None)):
+                xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+                h = fc1._device_split(xi, counts, None, None, None, None, link)
+                runs.append((xi, pi, h, fc2._device_split(h, counts, None, None, pi, None, link), link))
+        results = []
+        for (fc1, fc2), (xi, pi, h, y, link) in zip(pairs, runs):
+            grad_casts.clear()
+            loss = (y.float() * dy.float()).sum()
+            if accumulate:
+                loss = loss + h.float().square().sum() * 1e-3
+            loss.backward()
+            wide = [r for r in grad_casts if r == ("grad", 96)]  # the gate-up layer's own gradient cast
+            assert len(wide) == (0 if link is not None and not accumulate else 1), (step, link, grad_casts)
+            results.append([y, xi.grad, pi.grad] + [p.grad for p in fc1.parameters()] +
+                           [p.grad for p in fc2.parameters()])
+        for i, (a, b) in enumerate(zip(*results)):
+            _same(a, b, (step, i))
+        for (fc1a, fc2a), (fc1b, fc2b) in [pairs]:
+            for la, lb in ((fc1a, fc1b), (fc2a, fc2b)):
+                qa, qb = la._quantizers(recipe, "cpu"), lb._quantizers(recipe, "cpu")
+                for a, b in zip(qa.state.state_dict().values(), qb.state.state_dict().values()):
+                    if isinstance(a, torch.Tensor):
+                        _same(a, b, ("state", step))
+        for fc1, fc2 in pairs:
+            fc1.zero_grad(set_to_none=True)
+            fc2.zero_grad(set_to_none=True)

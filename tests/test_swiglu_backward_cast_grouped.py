@@ -1,10 +1,12 @@
 """The SwiGLU's backward of a grouped FP8 MLP fused with its weight-gradient
-operand (seqfuse.ops.moe.swiglu_backward_cast_fp8_grouped).
+operand and its input gradient's FP8 copies for the gate-up layer
+(seqfuse.ops.moe.swiglu_backward_cast_fp8_grouped).
 
 On the CPU the op is the two reference ops group by group, so it must equal
-them bit for bit: swiglu_backward of the real rows (dx, dprobs) and
+them bit for bit: swiglu_backward of the real rows (dx, dprobs),
 swiglu_cast_fp8_grouped with rowwise=False (the transposed FP8 bytes and the
-scale inverses), with dout given as the real rows or in the padded blocks a
+scale inverses) and cast_fp8_grouped of dx (bytes, scale inverses, the amax
+folded into strided slots), with dout given as the real rows or in the padded blocks a
 grouped GEMM writes (their padding rows poisoned with NaN: never read).  On
 CUDA against the CPU with every output poisoned first: dx and the FP8 bytes
 bit for bit (the same expressions and rounding), dprobs within float
@@ -39,30 +41,59 @@ def _inputs(splits, k, dtype, with_probs, gen, device="cpu"):
     return mv(x), mv(dout), mv(dout_p), mv(probs), mv(scale)
 
 
-def _reference(x, dout, probs, splits, fp8_dtype, scale):
+def _reference(x, dout, probs, splits, fp8_dtype, scale, grad=None):
+    """The unfused ops; ``grad``: (fp8 dtype, scale, amax) of dx's casts (amax updated in place)."""
     dx, dprobs = moe_ops.swiglu_backward(dout, x, probs)
-    if fp8_dtype is None:
-        return dx, dprobs, None, None
-    _, data_t, si = moe_ops.swiglu_cast_fp8_grouped(x, probs, splits, fp8_dtype, scale=scale, rowwise=False)
-    return dx, dprobs, data_t, si
+    data_t = si = g = None
+    if fp8_dtype is not None:
+        _, data_t, si = moe_ops.swiglu_cast_fp8_grouped(x, probs, splits, fp8_dtype, scale=scale, rowwise=False)
+    if grad is not None:
+        g = moe_ops.cast_fp8_grouped(dx, splits, grad[0], scale=grad[1], amax=grad[2])
+    return dx, dprobs, data_t, si, g
+
+
+def _grad_state(G, gen, device="cpu"):
+    """(scale, amax) as strided slot views, some amaxes already holding a value."""
+    buf = torch.zeros(2, 3 * G)
+    buf[0] = torch.rand(3 * G, generator=gen) * 3 + 0.25
+    buf[1, ::2] = 2.0
+    buf = buf.to(device)
+    return buf[0, 2::3], buf[1, 2::3]
 
 
 def _bytes(t):
     return None if t is None else t.view(torch.uint8)
 
 
+def _same_grad(got, want, what=""):
+    assert (got is None) == (want is None), what
+    if got is not None:
+        for u, v in zip(got[:2], want[:2]):
+            assert (u is None) == (v is None), what
+            assert u is None or (u.dtype == v.dtype and torch.equal(_bytes(u).cpu(), _bytes(v).cpu())), what
+        assert torch.equal(got[2].cpu(), want[2].cpu()), what
+
+
 @needs_fp8
 @pytest.mark.parametrize("padded_dout", [True, False])
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2, None])
 @pytest.mark.parametrize("with_probs", [True, False])
-def test_cpu_equals_the_two_reference_ops(padded_dout, fp8_dtype, with_probs, seed):
+@pytest.mark.parametrize("grad_dtype", [E5M2, E4M3, None])
+def test_cpu_equals_the_reference_ops(padded_dout, fp8_dtype, with_probs, grad_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     for dtype, splits, k in ((torch.bfloat16, [5, 0, 17, 33], 32), (torch.float32, [16, 1], 48),
                              (torch.float16, [0, 0, 7], 16)):
         x, dout, dout_p, probs, scale = _inputs(splits, k, dtype, with_probs, gen)
+        gs, ga = _grad_state(len(splits), gen)
+        ga_ref = ga.clone()
         got = moe_ops.swiglu_backward_cast_fp8_grouped(dout_p if padded_dout else dout, x, probs, splits,
-                                                       fp8_dtype, scale=scale if fp8_dtype else None)
-        want = _reference(x, dout, probs, splits, fp8_dtype, scale)
+                                                       fp8_dtype, scale=scale if fp8_dtype else None,
+                                                       grad_fp8_dtype=grad_dtype,
+                                                       grad_scale=gs if grad_dtype else None,
+                                                       grad_amax=ga if grad_dtype else None)
+        want = _reference(x, dout, probs, splits, fp8_dtype, scale, (grad_dtype, gs, ga_ref) if grad_dtype else None)
+        _same_grad(got[4], want[4])
+        assert torch.equal(ga, ga_ref)
         assert torch.equal(got[0], want[0])
         assert (got[1] is None) == (want[1] is None) and (got[1] is None or torch.equal(got[1], want[1]))
         if fp8_dtype is None:
@@ -75,13 +106,15 @@ def test_cpu_equals_the_two_reference_ops(padded_dout, fp8_dtype, with_probs, se
 def test_need_dprobs_false_gives_none(seed):
     gen = torch.Generator().manual_seed(seed)
     x, dout, _, probs, _ = _inputs([3, 5], 16, torch.float32, True, gen)
-    dx, dprobs, data_t, si = moe_ops.swiglu_backward_cast_fp8_grouped(dout, x, probs, [3, 5], need_dprobs=False)
-    assert dprobs is None and data_t is None and si is None
+    dx, dprobs, data_t, si, grad = moe_ops.swiglu_backward_cast_fp8_grouped(dout, x, probs, [3, 5],
+                                                                            need_dprobs=False)
+    assert dprobs is None and data_t is None and si is None and grad is None
     assert torch.equal(dx, moe_ops.swiglu_backward(dout, x, probs)[0])
 
 
-def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale):
-    """The C entry with every output poisoned first (NaN / 0xFF bytes)."""
+def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale, grad=None):
+    """The C entry with every output poisoned first (NaN / 0xFF bytes);
+    ``grad``: (fp8 dtype, scale, amax) of dx's casts."""
     m, k = x.shape[0], x.shape[1] // 2
     mp = sum(moe_ops.padded_splits(splits))
     dx = torch.full_like(x, float("nan"))
@@ -91,11 +124,16 @@ def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale):
         data_t = torch.full((k, mp), 255, dtype=torch.uint8, device=x.device).view(fp8_dtype)
         si = moe_ops._spaced_scale_inv(len(splits), x.device)
         si.fill_(float("nan"))
+    g = g_args = None
+    if grad is not None:
+        poison = lambda *shape: torch.full(shape, 255, dtype=torch.uint8, device=x.device).view(grad[0])  # noqa
+        g = (poison(mp, 2 * k), poison(2 * k, mp), moe_ops._spaced_scale_inv(len(splits), x.device).fill_(float("nan")))
+        g_args = (grad[1], grad[2], *g)
     _C.swiglu_backward_cast_fp8_grouped(dout, x, probs, torch.tensor(splits, dtype=torch.int64), 16, dx, dprobs,
                                         scale if fp8_dtype is not None else None, data_t, si,
-                                        torch.cuda.current_stream().cuda_stream)
+                                        *(g_args or (None,) * 5), torch.cuda.current_stream().cuda_stream)
     assert m == dx.shape[0]
-    return dx, dprobs, data_t, si
+    return dx, dprobs, data_t, si, g
 
 
 def _float64_reference(x, dout, probs):
@@ -120,15 +158,23 @@ def test_cuda_equals_the_unfused_cuda_ops_and_the_cpu(seed):
              ([17], 64, torch.float16, True, None), (many, 96, torch.bfloat16, True, E4M3),
              ([0, 0], 32, torch.bfloat16, True, E4M3)]
     cu = lambda t: None if t is None else t.cuda()  # noqa: E731
-    for splits, k, dtype, with_probs, fp8_dtype in cases:
+    for n, (splits, k, dtype, with_probs, fp8_dtype) in enumerate(cases):
         for padded_dout in (True, False):
             x, dout, dout_p, probs, scale = _inputs(splits, k, dtype, with_probs, gen)
             d_in = dout_p if padded_dout else dout
-            got = _call_poisoned(cu(d_in), cu(x), cu(probs), splits, fp8_dtype, cu(scale))
-            what = f"splits {splits[:6]} k {k} {dtype} probs {with_probs} {fp8_dtype} padded {padded_dout}"
+            grad_dtype = (E5M2, E4M3, None)[n % 3] if padded_dout else None
+            gs, ga = _grad_state(len(splits), gen, "cuda")
+            ga_ref = ga.clone()
+            got = _call_poisoned(cu(d_in), cu(x), cu(probs), splits, fp8_dtype, cu(scale),
+                                 (grad_dtype, gs, ga) if grad_dtype else None)
+            what = (f"splits {splits[:6]} k {k} {dtype} probs {with_probs} {fp8_dtype} padded {padded_dout} "
+                    f"grad {grad_dtype}")
             # the unfused CUDA ops (the same expressions and rounding): bit for bit but dprobs' order
-            want = _reference(cu(x), cu(dout), cu(probs), splits, fp8_dtype, cu(scale))
+            want = _reference(cu(x), cu(dout), cu(probs), splits, fp8_dtype, cu(scale),
+                              (grad_dtype, gs, ga_ref) if grad_dtype else None)
             assert torch.equal(got[0], want[0]), what
+            _same_grad(got[4], want[4], what)
+            assert torch.equal(ga, ga_ref), what
             if fp8_dtype is not None:
                 assert torch.equal(_bytes(got[2]), _bytes(want[2])), what
                 assert torch.equal(got[3], want[3]), what
@@ -149,6 +195,7 @@ def test_bad_inputs_name_their_rule():
     x = torch.randn(8, 32)
     dout = torch.randn(8, 16)
     op = moe_ops.swiglu_backward_cast_fp8_grouped
+    none5 = (None,) * 5
     with pytest.raises(ValueError, match=r"'dout' must have shape \[8, 16\] \(the real rows\) or \[32, 16\]"):
         op(torch.randn(9, 16), x, None, [3, 5])
     with pytest.raises(TypeError, match="dout"):
@@ -165,9 +212,23 @@ def test_bad_inputs_name_their_rule():
         op(dout, x, None, [3, 5], E4M3, scale=torch.ones(3))
     with pytest.raises(ValueError, match="'dprobs' goes with 'probs'"):
         _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, torch.empty_like(x),
-                                            torch.empty(8), None, None, None, 0)
+                                            torch.empty(8), None, None, None, *none5, 0)
     with pytest.raises(ValueError, match="go together"):
         _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, torch.empty_like(x), None,
-                                            torch.ones(2), None, None, 0)
+                                            torch.ones(2), None, None, *none5, 0)
     with pytest.raises(ValueError, match="'dx'.*overlap|meets|apart|'dx'"):
-        _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, x, None, None, None, None, 0)
+        _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, x, None, None, None, None,
+                                            *none5, 0)
+    with pytest.raises(ValueError, match="'grad_scale'.*goes with grad_fp8_dtype|grad_fp8_dtype"):
+        op(dout, x, None, [3, 5], grad_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="'grad_scale'"):
+        op(dout, x, None, [3, 5], grad_fp8_dtype=E5M2)
+    with pytest.raises(ValueError, match="'grad_scale' must"):
+        op(dout, x, None, [3, 5], grad_fp8_dtype=E5M2, grad_scale=torch.ones(3))
+    with pytest.raises(ValueError, match="grad_rowwise"):
+        op(dout, x, None, [3, 5], grad_fp8_dtype=E5M2, grad_scale=torch.ones(2), grad_rowwise=False,
+           grad_transpose=False)
+    with pytest.raises(ValueError, match="'grad_scale_inv'"):
+        _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, torch.empty_like(x), None,
+                                            None, None, None, torch.ones(2), None, None,
+                                            torch.empty(32, 32, dtype=torch.uint8).view(E5M2), None, 0)

@@ -6,7 +6,11 @@ Unfused (what the device-ends FP8 route ran before): the real rows taken
 out of the grouped GEMM's padded input-gradient blocks (a torch.cat),
 moe_swiglu_backward over them (dx, dprobs), then swiglu_cast_fp8_grouped
 of the saved gate|up pairs for the weight gradient's transposed FP8 operand.
-Fused: one pass reading the padded blocks and the pairs once.  Shapes:
+Fused: one pass reading the padded blocks and the pairs once.  Rows
+"+ grad cast": the same with the gate-up layer's output-gradient cast
+(E5M2 row-wise and transposed, delayed scaling) that GroupedMLP's
+device-ends route now makes in the fused pass (GradHandoff), against
+cast_fp8_grouped of dx after the unfused steps.  Shapes:
 Mixtral-small's (2 x 8,192 tokens, top-2: 32,768 rows, FFN 3,584, 8
 experts with skewed counts) and a 64-expert one.  Times: median device time
 of 30 calls (CUDA events, L2 flushed), each row's bytes moved and the
@@ -52,22 +56,32 @@ def main():
         dgrad = torch.randn(sum(padded), k, device="cuda", dtype=torch.bfloat16)
         scale = torch.rand(groups, device="cuda") + 0.5
 
-        def unfused():
+        gscale, gamax = torch.rand(groups, device="cuda") + 0.5, torch.zeros(groups, device="cuda")
+
+        def unfused(grad=False):
             dx, dp = moe.swiglu_backward(_unpad(dgrad, splits, padded), x, probs)
-            return dx, dp, moe.swiglu_cast_fp8_grouped(x, probs, splits, torch.float8_e4m3fn, scale=scale,
-                                                       rowwise=False)
+            out = (dx, dp, moe.swiglu_cast_fp8_grouped(x, probs, splits, torch.float8_e4m3fn, scale=scale,
+                                                       rowwise=False))
+            if grad:
+                out += (moe.cast_fp8_grouped(dx, splits, torch.float8_e5m2, scale=gscale, amax=gamax),)
+            return out
 
-        def fused():
-            return moe.swiglu_backward_cast_fp8_grouped(dgrad, x, probs, splits, torch.float8_e4m3fn, scale=scale)
+        def fused(grad=False):
+            kw = dict(grad_fp8_dtype=torch.float8_e5m2, grad_scale=gscale, grad_amax=gamax) if grad else {}
+            return moe.swiglu_backward_cast_fp8_grouped(dgrad, x, probs, splits, torch.float8_e4m3fn, scale=scale,
+                                                        **kw)
 
-        a, b = unfused(), fused()
+        a, b = unfused(True), fused(True)
         assert torch.equal(a[0], b[0]) and torch.equal(a[2][1].view(torch.uint8), b[2].view(torch.uint8))
-        t_u = cuda_time_ms(unfused, warmup=5, repeats=30)
-        t_f = cuda_time_ms(fused, warmup=5, repeats=30)
-        # fused: reads the pairs, the real rows of dout, probs; writes dx, dprobs, the FP8 copy
-        moved = x.numel() * 2 + m * k * 2 + m * 4 + x.numel() * 2 + m * 4 + k * sum(padded)
-        table.add(shape=f"{name}: {m} rows, K {k}, {groups} experts", unfused_ms=t_u, fused_ms=t_f,
-                  ratio=t_u / t_f, fused_gbps=moved / t_f / 1e6)
+        assert all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a[3][:2], b[4][:2]))
+        for grad in (False, True):
+            t_u = cuda_time_ms(lambda: unfused(grad), warmup=5, repeats=30)
+            t_f = cuda_time_ms(lambda: fused(grad), warmup=5, repeats=30)
+            # fused: reads the pairs, the real rows of dout, probs; writes dx, dprobs, the FP8 copy (+ dx's two)
+            moved = x.numel() * 2 + m * k * 2 + m * 4 + x.numel() * 2 + m * 4 + k * sum(padded)
+            moved += 2 * 2 * k * sum(padded) if grad else 0
+            table.add(shape=f"{name}{' + grad cast' if grad else ''}: {m} rows, K {k}, {groups} experts",
+                      unfused_ms=t_u, fused_ms=t_f, ratio=t_u / t_f, fused_gbps=moved / t_f / 1e6)
     table.save({"command": "python benchmarks/moe/bench_swiglu_backward.py"})
 
 

@@ -137,11 +137,17 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
  * sf_swiglu_cast_fp8_grouped with delayed scaling and no amax (the
  * forward's scales: the same bytes as a transposed copy made then).
  * dprobs sums each row in its own order: within float rounding of the
- * CPU reference's. */
+ * CPU reference's.  Where grad_scale, grad_scale_inv and grad_out [Mp, 2K]
+ * and/or grad_out_t [2K, Mp] are given (grad_amax optional), dx is also
+ * cast for the gate-up layer's backward as sf_cast_fp8_grouped(dx, ...)
+ * casts it under delayed scaling (its FP8 copies, max |dx_g| folded into
+ * grad_amax[g], grad_scale_inv = 1 / grad_scale), bit for bit. */
 sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
                                               const sf_tensor *m_splits, int row_multiple, sf_tensor *dx,
                                               sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,
-                                              sf_tensor *scale_inv, sf_stream stream);
+                                              sf_tensor *scale_inv, sf_tensor *grad_scale, sf_tensor *grad_amax,
+                                              sf_tensor *grad_out, sf_tensor *grad_out_t, sf_tensor *grad_scale_inv,
+                                              sf_stream stream);
 
 /* The delayed-scaling grouped cast with the groups' ends on the device (a
  * mixture-of-experts layer whose routing counts never reach the host):

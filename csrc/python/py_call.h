@@ -225,7 +225,7 @@ PyObject *sf_py_result_i64(sf_py_frame *f);
  * arguments then the stream, and whose thunk calls
  * entry(<each argument's value, in order>, stream).  KIND is T, OT, TL, INT,
  * INT64, U64, FLOAT or BOOL (the SF_T... rows above); a TL argument passes two
- * values, the list's length and its views.  Up to 12 arguments; a binding
+ * values, the list's length and its views.  Up to 16 arguments; a binding
  * whose C entry takes its arguments in another order, or which needs a hook,
  * writes its table and thunk out (SF_PY_BINDING_FULL). */
 #define SF_PY_OP(pyname, entry, docstr, ...)                                                  \
@@ -267,10 +267,15 @@ PyObject *sf_py_result_i64(sf_py_frame *f);
 #define SF_PY_E10(f, i, a, ...) f(i, a) SF_PY_E9(f, i + 1, __VA_ARGS__)
 #define SF_PY_E11(f, i, a, ...) f(i, a) SF_PY_E10(f, i + 1, __VA_ARGS__)
 #define SF_PY_E12(f, i, a, ...) f(i, a) SF_PY_E11(f, i + 1, __VA_ARGS__)
-#define SF_PY_NTH(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, n, ...) n
+#define SF_PY_E13(f, i, a, ...) f(i, a) SF_PY_E12(f, i + 1, __VA_ARGS__)
+#define SF_PY_E14(f, i, a, ...) f(i, a) SF_PY_E13(f, i + 1, __VA_ARGS__)
+#define SF_PY_E15(f, i, a, ...) f(i, a) SF_PY_E14(f, i + 1, __VA_ARGS__)
+#define SF_PY_E16(f, i, a, ...) f(i, a) SF_PY_E15(f, i + 1, __VA_ARGS__)
+#define SF_PY_NTH(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, n, ...) n
 #define SF_PY_EACH(f, ...)                                                                     \
-    SF_PY_NTH(__VA_ARGS__, SF_PY_E12, SF_PY_E11, SF_PY_E10, SF_PY_E9, SF_PY_E8, SF_PY_E7,     \
-              SF_PY_E6, SF_PY_E5, SF_PY_E4, SF_PY_E3, SF_PY_E2, SF_PY_E1, _)(f, 0, __VA_ARGS__)
+    SF_PY_NTH(__VA_ARGS__, SF_PY_E16, SF_PY_E15, SF_PY_E14, SF_PY_E13, SF_PY_E12, SF_PY_E11,  \
+              SF_PY_E10, SF_PY_E9, SF_PY_E8, SF_PY_E7, SF_PY_E6, SF_PY_E5, SF_PY_E4, SF_PY_E3, \
+              SF_PY_E2, SF_PY_E1, _)(f, 0, __VA_ARGS__)
 
 /* Declare binding `pyname` (opname: its name in messages) with argument
  * table `argtab`, thunk `thunk` and hooks (NULL where unused); defines

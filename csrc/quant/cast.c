@@ -534,7 +534,9 @@ static sf_status check_bwd_dense(const char *op, const char *arg, const sf_tenso
 sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
                                               const sf_tensor *m_splits, int row_multiple, sf_tensor *dx,
                                               sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,
-                                              sf_tensor *scale_inv, sf_stream stream)
+                                              sf_tensor *scale_inv, sf_tensor *grad_scale, sf_tensor *grad_amax,
+                                              sf_tensor *grad_out, sf_tensor *grad_out_t, sf_tensor *grad_scale_inv,
+                                              sf_stream stream)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
     int64_t m, k, G, padded;
@@ -556,20 +558,50 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
     if (!out_t != !scale || !out_t != !scale_inv)
         return sf_fail(SF_ERR_VALUE, "%s: arguments 'out_t', 'scale' and 'scale_inv' go together (the "
                        "SwiGLU's value cast for the weight gradient), or all three are left out", op);
+    static const char rule[] = "every group's rows padded to a multiple of row_multiple";
     if (out_t)
-        SF_TRY(check_grouped_out(op, "out_t", out_t, k, padded, "x", x,
-                                 "every group's rows padded to a multiple of row_multiple"));
+        SF_TRY(check_grouped_out(op, "out_t", out_t, k, padded, "x", x, rule));
+    const int grad = grad_scale || grad_amax || grad_out || grad_out_t || grad_scale_inv;
+    if (grad) {
+        if (!grad_scale || !grad_scale_inv || (!grad_out && !grad_out_t))
+            return sf_fail(SF_ERR_VALUE, "%s: dx's FP8 copies take 'grad_scale', 'grad_scale_inv' and at least one "
+                           "of 'grad_out' and 'grad_out_t'", op);
+        if (grad_out)
+            SF_TRY(check_grouped_out(op, "grad_out", grad_out, padded, 2 * k, "x", x, rule));
+        if (grad_out_t)
+            SF_TRY(check_grouped_out(op, "grad_out_t", grad_out_t, 2 * k, padded, "x", x, rule));
+        if (grad_out && grad_out_t && grad_out->dtype != grad_out_t->dtype)
+            return sf_fail(SF_ERR_TYPE, "%s: arguments 'grad_out' (%s) and 'grad_out_t' (%s) must have the same "
+                           "FP8 dtype", op, sf_dtype_name(grad_out->dtype), sf_dtype_name(grad_out_t->dtype));
+        SF_TRY(check_strided_vector(op, "grad_scale", grad_scale, G, "x", x, 0));
+        SF_TRY(check_strided_vector(op, "grad_scale_inv", grad_scale_inv, G, "x", x, 1));
+        if (grad_amax)
+            SF_TRY(check_strided_vector(op, "grad_amax", grad_amax, G, "x", x, 1));
+    }
     {
         const sf_mem_arg outs[] = {{"dx", dx, NULL}, {"dprobs", dprobs, NULL}, {"out_t", out_t, NULL},
-                                   {"scale_inv", scale_inv, NULL}};
+                                   {"scale_inv", scale_inv, NULL}, {"grad_out", grad_out, NULL},
+                                   {"grad_out_t", grad_out_t, NULL}, {"grad_amax", grad_amax, NULL},
+                                   {"grad_scale_inv", grad_scale_inv, NULL}};
         const sf_mem_arg ins[] = {{"dout", dout, NULL}, {"x", x, NULL}, {"probs", probs, NULL},
-                                  {"m_splits", m_splits, NULL}, {"scale", scale, NULL}};
-        SF_TRY(sf_check_apart(op, outs, 4, ins, 5));
+                                  {"m_splits", m_splits, NULL}, {"scale", scale, NULL},
+                                  {"grad_scale", grad_scale, NULL}};
+        SF_TRY(sf_check_apart(op, outs, 8, ins, 6));
     }
     sf_cast_grouped_args a = {.x_dtype = x->dtype, .k = k, .groups = G, .swiglu = 1,
                               .probs_dtype = probs ? probs->dtype : SF_FLOAT32};
     if (out_t)
         SF_TRY(grouped_scaling(op, "x", x, &a, scale, NULL, scale_inv, out_t->dtype, 0, 0));
+    sf_cast_grouped_args ga = {.x_dtype = x->dtype, .k = 2 * k, .groups = G};
+    if (grad) {
+        ga.scale = (float *)grad_scale->data;
+        ga.amax = grad_amax ? (float *)grad_amax->data : NULL;
+        ga.scale_inv = (float *)grad_scale_inv->data;
+        ga.scale_stride = vector_stride(grad_scale);
+        ga.amax_stride = grad_amax ? vector_stride(grad_amax) : 0;
+        ga.scale_inv_stride = vector_stride(grad_scale_inv);
+        ga.e5m2 = (grad_out ? grad_out : grad_out_t)->dtype == SF_FLOAT8_E5M2;
+    }
     const int dout_padded = dout->shape[0] != m;
     const int64_t *splits = (const int64_t *)m_splits->data;
     if (x->device == SF_CPU) {
@@ -589,10 +621,13 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
             r += mg;
             p += (mg + row_multiple - 1) / row_multiple * row_multiple;
         }
-        if (!out_t)
-            return SF_OK;
-        return sf_swiglu_cast_fp8_grouped(x, probs, m_splits, row_multiple, scale, NULL, NULL, out_t, scale_inv,
-                                          0, 0, stream);
+        if (out_t)
+            SF_TRY(sf_swiglu_cast_fp8_grouped(x, probs, m_splits, row_multiple, scale, NULL, NULL, out_t, scale_inv,
+                                              0, 0, stream));
+        if (grad)
+            SF_TRY(sf_cast_fp8_grouped(dx, m_splits, row_multiple, grad_scale, grad_amax, grad_out, grad_out_t,
+                                       grad_scale_inv, 0, 0, stream));
+        return SF_OK;
     }
     int64_t *mp = (int64_t *)malloc((size_t)G * sizeof(int64_t));
     if (!mp)
@@ -604,7 +639,9 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
         .dout_padded = dout_padded, .probs = probs ? probs->data : NULL,
         .probs_dtype = probs ? probs->dtype : SF_FLOAT32, .dx = dx->data,
         .dprobs = dprobs ? dprobs->data : NULL, .dprobs_dtype = dprobs ? dprobs->dtype : SF_FLOAT32,
-        .out_t = out_t ? (uint8_t *)out_t->data : NULL, .ld_t = padded, .cast = out_t ? &a : NULL};
+        .out_t = out_t ? (uint8_t *)out_t->data : NULL, .ld_t = padded, .cast = out_t ? &a : NULL,
+        .grad = grad ? &ga : NULL, .grad_out = grad_out ? (uint8_t *)grad_out->data : NULL,
+        .grad_out_t = grad_out_t ? (uint8_t *)grad_out_t->data : NULL};
     sf_status st = SF_IF_CUDA(op, "x", sf_swiglu_backward_grouped_cuda(&b, x->device_id, stream));
     free(mp);
     return st;

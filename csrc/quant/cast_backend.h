@@ -120,6 +120,11 @@ typedef struct {
     uint8_t *out_t;
     int64_t ld_t;
     const sf_cast_grouped_args *cast;
+    /* grad (NULL: none): dx's FP8 copies for the gate-up layer's backward,
+     * grad_out [Mp, 2k] (group g's block at row sum(mp[..g])) and grad_out_t
+     * [2k, Mp] (either may be NULL), with grad's scaling vectors and format */
+    const sf_cast_grouped_args *grad;
+    uint8_t *grad_out, *grad_out_t;
 } sf_swiglu_bwd_grouped_args;
 
 sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_bwd_grouped_args *a, int device, sf_stream stream);

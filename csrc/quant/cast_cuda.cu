@@ -850,7 +850,11 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * it loads the gate, up and dout values of its rows once, writes dx (the
  * gate and up gradients) row-wise, parks the FP8 bytes of the SwiGLU value
  * (swiglu_value, cast with the group's scale) in the swizzled tile and
- * writes them transposed as cast_transpose does.  A row's probability
+ * writes them transposed as cast_transpose does.  GRAD: dx rounded to T is
+ * also cast with the gate-up layer's gradient scale, row-wise into its
+ * padded block and through two more tiles (gate and up halves) transposed,
+ * max |dx| folded into that layer's amax: the bytes grouped_cast_kernel
+ * makes of dx.  A row's probability
  * gradient is a sum over all K columns, so one CTA owns whole rows: each
  * thread sums its 8 rows over its columns, the 16 threads of a row add up
  * in a fixed shuffle order, and no atomics or second pass are needed. */
@@ -872,16 +876,23 @@ struct BwdPtrs {
     const float *scale;
     float *scale_inv;
     int64_t scale_stride, scale_inv_stride;
+    /* GRAD: dx's FP8 copies for the gate-up layer's backward (row-wise [Mp, 2k], transposed [2k, Mp]) */
+    uint8_t *g_out, *g_out_t;
+    const float *g_scale;
+    float *g_amax, *g_scale_inv;
+    int64_t g_scale_stride, g_amax_stride, g_scale_inv_stride;
+    int g_e5m2;
 };
 
 static_assert(sizeof(BwdTable) + sizeof(BwdPtrs) <= 4096,
               "the grouped SwiGLU backward's kernel parameters must fit CUDA's 4 KB");
 
-template <typename T, bool E5M2, bool CAST>
+template <typename T, bool E5M2, bool CAST, bool GRAD>
 __global__ void __launch_bounds__(kThreads, 2)
 grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
 {
     __shared__ __align__(16) uint32_t tile[CAST ? kTile : 1][kWords];
+    __shared__ __align__(16) uint32_t tile_g[GRAD ? kTile : 1][kWords], tile_u[GRAD ? kTile : 1][kWords];
     const int i = group_of_block(tab);
     const int64_t g = tab.first + i, m = tab.m[i], mp = tab.mp[i], k = pt.k;
     const int64_t m0 = (int64_t)(blockIdx.x - tab.tile_start[i]) * kTile;
@@ -897,8 +908,26 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
                     pt.scale_inv[gj * pt.scale_inv_stride] = __fdiv_rn(1.0f, pt.scale[gj * pt.scale_stride]);
                 }
     }
+    float gscale = 1.0f;
+    if constexpr (GRAD) {
+        gscale = pt.g_scale[g * pt.g_scale_stride];
+        if (m0 == 0 && threadIdx.x == 0)
+            pt.g_scale_inv[g * pt.g_scale_inv_stride] = __fdiv_rn(1.0f, gscale);
+        if (blockIdx.x == 0)
+            for (int j = threadIdx.x; j < tab.n; j += blockDim.x)
+                if (tab.tile_start[j + 1] == tab.tile_start[j]) {
+                    const int64_t gj = tab.first + j;
+                    pt.g_scale_inv[gj * pt.g_scale_inv_stride] =
+                        __fdiv_rn(1.0f, pt.g_scale[gj * pt.g_scale_stride]);
+                }
+    }
     if (tab.tile_start[i + 1] == tab.tile_start[i])
         return; /* (the one CTA of a launch whose groups have no rows) */
+    uint8_t *g_out = GRAD && pt.g_out ? pt.g_out + tab.col[i] * 2 * k : nullptr;
+    uint8_t *g_out_t = GRAD ? pt.g_out_t : nullptr;
+    if (g_out_t)
+        g_out_t += tab.col[i];
+    uint32_t local_max = 0;
     const T *x = static_cast<const T *>(pt.x) + tab.row[i] * 2 * k;
     const T *dout = static_cast<const T *>(pt.dout) + tab.drow[i] * k;
     T *dx = static_cast<T *>(pt.dx) + tab.row[i] * 2 * k;
@@ -929,6 +958,7 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
             for (int j = 0; j < 4; ++j) {
                 const int jj = ph + j, row = lr + 16 * jj;
                 uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
+                uint2 wg = make_uint2(0u, 0u), wu = make_uint2(0u, 0u);
                 if (ok[j]) {
                     float gv[8], uv[8], dv[8], dg[8], du[8];
                     sf_unpack8(rg[j], gv);
@@ -952,17 +982,56 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
                     }
                     sf_vec::store_f<T, 8>(dx + r * 2 * k + kc, dg);
                     sf_vec::store_f<T, 8>(dx + r * 2 * k + k + kc, du);
+                    if constexpr (GRAD) { /* dx as stored, cast with the gate-up layer's gradient scale */
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            dg[e] = sf_vec::to_f(sf_vec::from_f<T>(dg[e]));
+                            du[e] = sf_vec::to_f(sf_vec::from_f<T>(du[e]));
+                            local_max = max(local_max, max(sf_abs_bits(dg[e]), sf_abs_bits(du[e])));
+                            dg[e] = __fmul_rn(dg[e], gscale);
+                            du[e] = __fmul_rn(du[e], gscale);
+                        }
+                        if (pt.g_e5m2) {
+                            wg = make_uint2(sf_cvt4<true>(dg), sf_cvt4<true>(dg + 4));
+                            wu = make_uint2(sf_cvt4<true>(du), sf_cvt4<true>(du + 4));
+                        } else {
+                            wg = make_uint2(sf_cvt4<false>(dg), sf_cvt4<false>(dg + 4));
+                            wu = make_uint2(sf_cvt4<false>(du), sf_cvt4<false>(du + 4));
+                        }
+                    }
                 }
                 if constexpr (CAST)
                     *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
+                if constexpr (GRAD) {
+                    const int64_t r = m0 + row;
+                    if (g_out && r < mp && kc < k) { /* (rows m..mp-1: the zero padding) */
+                        *reinterpret_cast<uint2 *>(g_out + r * 2 * k + kc) = wg;
+                        *reinterpret_cast<uint2 *>(g_out + r * 2 * k + k + kc) = wu;
+                    }
+                    *reinterpret_cast<uint2 *>(&tile_g[row][swz(row, 2 * lj)]) = wg;
+                    *reinterpret_cast<uint2 *>(&tile_u[row][swz(row, 2 * lj)]) = wu;
+                }
             }
         }
-        if constexpr (CAST) {
+        if constexpr (CAST || GRAD) {
             __syncthreads();
-            store_tile_transposed(tile, m0, k0, mp, k, pt.ld_t, kw, mg, out_t);
+            if constexpr (CAST)
+                store_tile_transposed(tile, m0, k0, mp, k, pt.ld_t, kw, mg, out_t);
+            if constexpr (GRAD) {
+                if (g_out_t) {
+                    store_tile_transposed(tile_g, m0, k0, mp, k, pt.ld_t, kw, mg, g_out_t);
+                    store_tile_transposed(tile_u, m0, k0, mp, k, pt.ld_t, kw, mg, g_out_t + k * pt.ld_t);
+                }
+            }
             __syncthreads();
         }
     }
+    if constexpr (GRAD)
+        if (pt.g_amax) { /* one atomic a warp (the three tiles fill the 48 KB of static shared memory) */
+            const uint32_t w = __reduce_max_sync(0xffffffffu, local_max);
+            if (lane == 0)
+                atomicMax(reinterpret_cast<unsigned *>(pt.g_amax + g * pt.g_amax_stride), w);
+        }
     if (pt.dprobs) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -982,10 +1051,12 @@ template <typename T>
 sf_status launch_swiglu_backward_grouped(const sf_swiglu_bwd_grouped_args *a, cudaStream_t stream)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
-    const sf_cast_grouped_args *c = a->cast;
+    const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
     BwdPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
                   a->ld_t, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
-                  c ? c->scale_inv_stride : 0};
+                  c ? c->scale_inv_stride : 0, a->grad_out, a->grad_out_t, gr ? gr->scale : nullptr,
+                  gr ? gr->amax : nullptr, gr ? gr->scale_inv : nullptr, gr ? gr->scale_stride : 0,
+                  gr ? gr->amax_stride : 0, gr ? gr->scale_inv_stride : 0, gr ? gr->e5m2 : 0};
     int64_t row = 0, prow = 0;
     for (int64_t first = 0; first < a->groups; first += kGroupsPerLaunch) {
         BwdTable tab;
@@ -1008,16 +1079,20 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_bwd_grouped_args *a, cu
                                (long long)blocks);
         }
         tab.tile_start[tab.n] = (int)blocks;
-        if (blocks == 0 && !c)
+        if (blocks == 0 && !c && !gr)
             continue;
-        /* at least one CTA: with the cast it writes the scale inverses of groups with no rows */
+        /* at least one CTA: with a cast it writes the scale inverses of groups with no rows */
         const int grid = blocks > 0 ? (int)blocks : 1;
-        if (!c)
-            grouped_swiglu_backward_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(tab, pt);
+        if (!c && !gr)
+            grouped_swiglu_backward_kernel<T, false, false, false><<<grid, kThreads, 0, stream>>>(tab, pt);
+        else if (!c)
+            grouped_swiglu_backward_kernel<T, false, false, true><<<grid, kThreads, 0, stream>>>(tab, pt);
         else if (c->e5m2)
-            grouped_swiglu_backward_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(tab, pt);
+            (gr ? grouped_swiglu_backward_kernel<T, true, true, true>
+                : grouped_swiglu_backward_kernel<T, true, true, false>)<<<grid, kThreads, 0, stream>>>(tab, pt);
         else
-            grouped_swiglu_backward_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(tab, pt);
+            (gr ? grouped_swiglu_backward_kernel<T, false, true, true>
+                : grouped_swiglu_backward_kernel<T, false, true, false>)<<<grid, kThreads, 0, stream>>>(tab, pt);
         SF_CUDA_CHECK_LAUNCH(op);
     }
     return SF_OK;

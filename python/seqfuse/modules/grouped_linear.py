@@ -107,8 +107,8 @@ from ..ops import quant as quant_ops
 from ..ops import device_checks
 from ..quantization import gemm_quantizers as _gq
 from ..quantization import recompute, stats
-from ..quantization.grouped import (GroupedFloat8, lean_weights, note_grouped, quantize_grouped,
-                                     release_weight_pairs, stacked_weights_fp8, weight_pairs)
+from ..quantization.grouped import (GroupedFloat8, delayed_grad_slots, lean_weights, note_grouped,
+                                     quantize_grouped, release_weight_pairs, stacked_weights_fp8, weight_pairs)
 from . import _fp8 as F8
 from ._base import compute_dtype, default_device, init_weight, mark_main_grad, set_linear_options, wgrad_overwrite
 from ._input import check_input, gemm_rows
@@ -652,7 +652,7 @@ class GroupedLinear(torch.nn.Module):
         return True
 
     def forward(self, inp, m_splits, is_first_microbatch=None, *, swiglu_probs=None, m_offsets=None,
-                _refusal=_UNASKED, _counts_wait=None):
+                _refusal=_UNASKED, _counts_wait=None, _grad_link=None):
         """y for inp [sum(m_splits), in_features].  is_first_microbatch (TE):
         under FP8, True re-quantizes the weights, False reuses the previous
         call's, None re-quantizes a weight only when it changed; with
@@ -695,11 +695,15 @@ class GroupedLinear(torch.nn.Module):
         ``_refusal`` (for GroupedMLP, which asks once per forward for both
         of its layers): device_split_refusal's answer for this call where
         the caller has it, so that it is not asked again; by default it is
-        asked here when m_splits is a CUDA tensor."""
+        asked here when m_splits is a CUDA tensor.  ``_grad_link`` (for
+        GroupedMLP, both layers given one GradHandoff): on the device-ends FP8
+        route the down projection's backward hands the gate-up layer's backward
+        its output gradient's FP8 copies."""
         cls = "GroupedLinear"
         if swiglu_probs is None:
             check_input(cls, inp, self.in_features, "in_features")
-            return self._apply_to(inp, None, m_splits, is_first_microbatch, m_offsets, _refusal, _counts_wait)
+            return self._apply_to(inp, None, m_splits, is_first_microbatch, m_offsets, _refusal, _counts_wait,
+                                  _grad_link)
         check_input(cls, inp, 2 * self.in_features, "2 x in_features (gate and up, with swiglu_probs)")
         rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
         check_input(cls, swiglu_probs, name="swiglu_probs")
@@ -713,9 +717,10 @@ class GroupedLinear(torch.nn.Module):
                              f"{swiglu_probs.device}")
         # the SwiGLU kernels read both row-major
         h, probs = inp.contiguous(), swiglu_probs.contiguous()
-        return self._apply_to(h, probs, m_splits, is_first_microbatch, m_offsets, _refusal, _counts_wait)
+        return self._apply_to(h, probs, m_splits, is_first_microbatch, m_offsets, _refusal, _counts_wait, _grad_link)
 
-    def _apply_to(self, inp, probs, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED, counts_wait=None):
+    def _apply_to(self, inp, probs, m_splits, is_first_microbatch, m_offsets=None, why=_UNASKED, counts_wait=None,
+                  grad_link=None):
         """forward's body; ``probs`` (None: no SwiGLU): inp holds gate|up
         pairs and probs the SwiGLU's row scales, the SwiGLU computed in the
         route's autograd Function.  ``why``: device_split_refusal's answer
@@ -730,7 +735,8 @@ class GroupedLinear(torch.nn.Module):
             if why is _UNASKED:
                 why = self.device_split_refusal(inp)
             if why is None:
-                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch, probs, counts_wait)
+                return self._device_split(inp, m_splits, m_offsets, is_first_microbatch, probs, counts_wait,
+                                          grad_link)
             note_once(_log, "seqfuse GroupedLinear: m_splits on the GPU read to the host (one host "
                       "synchronization per call): %s", why)
             device_checks.check_storage("GroupedLinear", "argument 'm_splits'", m_splits)  # (read below)
@@ -836,7 +842,8 @@ class GroupedLinear(torch.nn.Module):
         d = self.__dict__
         d["fp8_device_weight_transpose_casts"] = d.get("fp8_device_weight_transpose_casts", 0) + 1
 
-    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None, probs=None, counts_wait=None):
+    def _device_split(self, inp, counts, offsets=None, is_first_microbatch=None, probs=None, counts_wait=None,
+                      grad_link=None):
         """The device-split route for row counts ``counts`` on the GPU
         (DeviceSplitGroupedLinearFunction; under FP8 delayed scaling
         DeviceEndsFp8GroupedLinearFunction) (``offsets``: their
@@ -844,7 +851,9 @@ class GroupedLinear(torch.nn.Module):
         gate|up pairs and the layer's input is their SwiGLU scaled by probs,
         as forward's swiglu_probs; ``counts_wait``: moe_ops.counts_to_host of
         the counts, which the delayed-scaling form's backward reads, made
-        here when not given: GroupedMLP's two layers share one)."""
+        here when not given: GroupedMLP's two layers share one; ``grad_link``:
+        GroupedMLP's GradHandoff between its layers, used under FP8 delayed
+        scaling)."""
         if counts.dim() != 1 or counts.numel() != self.num_gemms:
             raise ValueError(f"GroupedLinear: m_splits must hold num_gemms = {self.num_gemms} row counts, got "
                              f"shape {tuple(counts.shape)}")
@@ -873,7 +882,8 @@ class GroupedLinear(torch.nn.Module):
                 stacked = _buffer_view(ws)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
                                                          self.num_gemms,
-                                                         (q, is_first_microbatch, overwrite, lean, stacked), *ws)
+                                                         (q, is_first_microbatch, overwrite, lean, stacked, grad_link),
+                                                         *ws)
         else:
             if recipe is not None:
                 # the weights' FP8 operands carry what the products read (where no transposed copy is kept,
@@ -1197,7 +1207,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs)
 
 
-def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=None, swiglu_cast=None):
+def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=None, swiglu_cast=None, link_out=None,
+                          link_in=None):
     """The backward both FP8 grouped Functions share (Fp8GroupedLinearFunction,
     DeviceEndsFp8GroupedLinearFunction), given the host row counts
     ``splits`` and their ``padded`` counts: the output gradient cast for
@@ -1213,7 +1224,10 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     forward's per-expert scales and FP8 dtype of the SwiGLU value's cast)
     and a weight gradient to make, the same pass makes x_col (the value's
     transposed copy with those scales: the bytes a forward copy would hold)
-    instead of ``x_col``.  ``ctx`` carries G, q, dtype,
+    instead of ``x_col``; given ``link_out`` (a GradHandoff whose consumer
+    expects them), it also makes the input gradient's FP8 copies for the
+    gate-up layer, which takes them through ``link_in`` instead of casting
+    its output gradient.  ``ctx`` carries G, q, dtype,
     K, swiglu, overwrite, bias_dtypes, weights and the Function's
     needs_input_grad (x and probs first, the weights from _FP8_ARGS on);
     returns the Function's gradients."""
@@ -1226,8 +1240,9 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     dy = moe_ops.dense(dy)
     # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
     # which the per-expert casts sum in their own pass)
-    gg = None if need_db else quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx,
-                                               transpose=need_dw)
+    gg = link_in.take(dy, padded, need_dx, need_dw) if link_in is not None and not need_db else None
+    if gg is None and not need_db:
+        gg = quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx, transpose=need_dw)
     if gg is not None:
         g_row, g_col, dbs = gg, _Columns(gg) if need_dw else None, []
     else:
@@ -1239,11 +1254,14 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
         dgrad = _grouped(g_row, w_dg, padded, out)
         if ctx.swiglu and dgrad.dtype == h.dtype:
             cast = swiglu_cast if need_dw else None
-            dx, dprobs, data_t, si = moe_ops.swiglu_backward_cast_fp8_grouped(
+            grad_kw = link_out.producer_args(splits) if link_out is not None else {}
+            dx, dprobs, data_t, si, g = moe_ops.swiglu_backward_cast_fp8_grouped(
                 dgrad, h, probs, splits, cast[1] if cast else None, scale=cast[0] if cast else None,
-                need_dprobs=ctx.needs_input_grad[1])
+                need_dprobs=ctx.needs_input_grad[1], **grad_kw)
             if data_t is not None:
                 x_col = _Columns(GroupedFloat8(None, data_t, si, padded))
+            if g is not None:
+                link_out.put(dx, GroupedFloat8(g[0], g[1], g[2], padded), grad_kw["grad_amax"])
         elif ctx.swiglu:  # (an input gradient in another dtype than the saved pairs)
             dx, dprobs = moe_ops.swiglu_backward(_unpad(dgrad, splits, padded), h, probs, ctx.needs_input_grad[1])
         else:
@@ -1304,6 +1322,68 @@ def _one_view(ts):
     return t0.as_strided((len(ts),) + tuple(shape), (step // size,) + tuple(stride))
 
 
+class GradHandoff:
+    """The gate-up layer's FP8 output gradient, made by the down projection's
+    backward in GroupedMLP (device-ends route, FP8 delayed scaling).
+
+    The down projection's SwiGLU backward writes the gate-up layer's output
+    gradient dx; the pass that writes it can cast it too, with the gate-up
+    layer's gradient scales, into the copies that layer's backward would
+    otherwise cast from dx at once (quantize_grouped(q, "grad", dx, ...):
+    the same bytes, amaxes and scale inverses).  GroupedMLP gives both
+    layers one GradHandoff: the gate-up layer's forward says which copies
+    its backward reads (``expect``), the down projection's backward makes
+    them (``producer_args``, ``put``) where quantize_grouped would cast in
+    one call, and the gate-up layer's backward ``take``s them where the
+    gradient it receives is that very dx (anything else, a gradient
+    accumulated from elsewhere or changed in place, and it casts its own,
+    logged).  The cast's amaxes go to a scratch vector, folded into the
+    state's slots when the copies are taken: a gradient cast again folds
+    only its own."""
+    __slots__ = ("q", "rowwise", "transpose", "stash", "amax_slots")
+
+    def __init__(self):
+        self.q = self.stash = self.amax_slots = None
+        self.rowwise = self.transpose = False
+
+    def expect(self, q, *, rowwise, transpose):
+        self.q, self.rowwise, self.transpose = q, rowwise, transpose
+
+    def producer_args(self, splits):
+        """swiglu_backward_cast_fp8_grouped's grad_* arguments, or {} where
+        the consumer expects nothing or would not cast in one call."""
+        if self.q is None or not (self.rowwise or self.transpose):
+            return {}
+        slots = delayed_grad_slots(self.q, splits)
+        if slots is None:
+            return {}
+        self.amax_slots = slots[1]
+        scratch = torch.zeros(len(splits), dtype=torch.float32, device=slots[1].device)
+        return dict(grad_fp8_dtype=slots[2], grad_scale=slots[0], grad_amax=scratch, grad_rowwise=self.rowwise,
+                    grad_transpose=self.transpose)
+
+    def put(self, dx, gq, amax):
+        """The copies ``gq`` of ``dx`` and their amaxes ``amax`` (producer_args' scratch)."""
+        self.stash = (dx, dx._version, gq, amax)
+
+    def take(self, dy, padded, rowwise, transpose):
+        """The stashed GroupedFloat8 where ``dy`` is the dx it was made of
+        and it holds the copies wanted, else None (logged where one was made)."""
+        st, self.stash = self.stash, None
+        if st is None:
+            return None
+        dx, version, gq, amax = st
+        if (dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape and dy.dtype == dx.dtype
+                and dy._version == version and tuple(gq.padded) == tuple(padded)
+                and (gq.data is not None or not rowwise) and (gq.data_t is not None or not transpose)):
+            self.amax_slots.copy_(torch.maximum(self.amax_slots, amax))  # (as the cast folds them)
+            return gq
+        note_grouped("the gate-up layer's output gradient is not the tensor the down projection's backward "
+                     "cast (accumulated with another gradient, changed in place, or other copies wanted): "
+                     "cast again")
+        return None
+
+
 class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
     """Autograd of y_g = x_g W_g^T under FP8 delayed scaling with the row
     counts on the GPU (the device-split route's delayed-scaling form): the
@@ -1341,7 +1421,7 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, probs, offsets, counts_wait, dtype, G, qargs, *weights):
-        q, first, overwrite, lean, stacked = qargs
+        q, first, overwrite, lean, stacked, link = qargs
         swiglu = probs is not None
         need_w = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -1381,6 +1461,12 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
             saved.append(scale_used)
         ctx.save_for_backward(*saved)
         ctx.keep, ctx.has_probs, ctx.fp8_dtype = keep, swiglu, fp8_dtype
+        # GroupedMLP's layers: the down projection (swiglu) hands its input gradient's FP8 copies to the gate-up
+        # layer, which says here which copies its backward reads
+        ctx.link_out = link if swiglu else None
+        ctx.link_in = link if link is not None and not swiglu else None
+        if ctx.link_in is not None:
+            link.expect(q, rowwise=need_dx, transpose=need_w)
         ctx.counts_wait, ctx.rows = counts_wait, x.shape[0]
         ctx.q, ctx.G, ctx.dtype, ctx.overwrite = q, G, dtype, overwrite
         ctx.K = x.shape[1] // 2 if swiglu else x.shape[1]
@@ -1426,4 +1512,5 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
             return _Columns(GroupedFloat8(None, data_t, si, padded))
         # (with the SwiGLU's backward, that pass makes x_col itself with the same scales)
         swiglu_cast = (scale_used, fp8_dtype) if ctx.has_probs and scale_used is not None else None
-        return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs, swiglu_cast)
+        return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs, swiglu_cast, ctx.link_out,
+                                     ctx.link_in)

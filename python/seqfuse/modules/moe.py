@@ -76,7 +76,7 @@ from ..common.recipe import DelayedScaling
 from ..ops import moe as moe_ops
 from ._base import default_device, init_weight
 from ._input import check_input
-from .grouped_linear import ACTIVE_RECIPE, GroupedLinear
+from .grouped_linear import ACTIVE_RECIPE, GradHandoff, GroupedLinear
 
 __all__ = ["GroupedMLP", "RoutedExperts"]
 
@@ -241,10 +241,12 @@ class GroupedMLP(RoutedExperts):
             # queued now, long landed by then
             delayed = _q.is_fp8_enabled() and isinstance(_q.get_recipe(), DelayedScaling)
             wait = moe_ops.counts_to_host(tokens_per_expert) if delayed else None
+            # (and the down projection's backward casts the gate-up layer's output gradient for it)
+            link = GradHandoff() if delayed else None
             h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets, _refusal=None,
-                         _counts_wait=wait)
+                         _counts_wait=wait, _grad_link=link)
             y = self.fc2(h, tokens_per_expert, is_first_microbatch, swiglu_probs=pp, m_offsets=offsets,
-                         _refusal=None, _counts_wait=wait)
+                         _refusal=None, _counts_wait=wait, _grad_link=link)
             return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
         # the block's one host synchronization, the per-expert counts: their copy is queued now and
         # waited for after the work that does not need them (below), which keeps the GPU busy meanwhile

@@ -672,7 +672,8 @@ def swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, *, scale, amax=None, 
 
 
 def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *, scale=None, need_dprobs=True,
-                                     row_multiple=FP8_ROW_MULTIPLE):
+                                     grad_fp8_dtype=None, grad_scale=None, grad_amax=None, grad_rowwise=True,
+                                     grad_transpose=True, row_multiple=FP8_ROW_MULTIPLE):
     """The SwiGLU's backward in a grouped MLP's FP8 down projection, with
     that projection's weight-gradient operand, in one pass over the saved
     gate|up pairs.
@@ -682,14 +683,20 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
     ``dout``: the gradient of the SwiGLU's output, [M, K], or [Mp, K] with
     each group's rows at the start of its block padded to ``row_multiple``
     (what the grouped GEMM writes; the padding rows are not read), x's
-    dtype.  Returns ``(dx, dprobs, data_t, scale_inv)``: dx [M, 2K] and
-    dprobs [M] (None without probs or ``need_dprobs``) as
+    dtype.  Returns ``(dx, dprobs, data_t, scale_inv, grad)``: dx [M, 2K]
+    and dprobs [M] (None without probs or ``need_dprobs``) as
     :func:`swiglu_backward` gives them (dprobs summed in another order:
-    within float rounding), and, where ``fp8_dtype`` is given, the SwiGLU
+    within float rounding); where ``fp8_dtype`` is given, the SwiGLU
     value's transposed FP8 copy data_t [K, Mp] with its scale inverses as
     ``swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, scale=scale,
     rowwise=False)`` makes them under delayed scaling with no amax (pass
-    the scales the forward's cast used: the same bytes), else None, None."""
+    the scales the forward's cast used: the same bytes), else None, None;
+    and where ``grad_fp8_dtype`` is given (with ``grad_scale``, optionally
+    ``grad_amax``), dx's own FP8 copies for the gate-up layer's backward,
+    ``grad`` = (data [Mp, 2K] or None, data_t [2K, Mp] or None, scale_inv)
+    as ``cast_fp8_grouped(dx, m_splits, grad_fp8_dtype, scale=grad_scale,
+    amax=grad_amax, rowwise=grad_rowwise, transpose=grad_transpose)``
+    makes them, bit for bit (else None)."""
     op = "swiglu_backward_cast_fp8_grouped"
     x = _tensor(op, "x", x)
     dout = _tensor(op, "dout", dout)
@@ -714,9 +721,27 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
         scale_inv = _spaced_scale_inv(len(splits), x.device)
     elif scale is not None:
         raise ValueError(f"{op}: argument 'scale' goes with fp8_dtype (the SwiGLU value's cast)")
+    grad = None
+    g_args = (None,) * 5
+    if grad_fp8_dtype is not None:
+        require_fp8_dlpack(op)
+        grad_fp8_dtype = fp8_dtype_of(grad_fp8_dtype, op)
+        if grad_scale is None:
+            raise ValueError(f"{op}: argument 'grad_scale' (the gate-up layer's gradient scales) goes with "
+                             f"grad_fp8_dtype")
+        if not grad_rowwise and not grad_transpose:
+            raise ValueError(f"{op}: at least one of 'grad_rowwise' and 'grad_transpose' must be True")
+        mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
+        g_data = torch.empty((mp, x.shape[1]), dtype=grad_fp8_dtype, device=x.device) if grad_rowwise else None
+        g_data_t = torch.empty((x.shape[1], mp), dtype=grad_fp8_dtype, device=x.device) if grad_transpose else None
+        grad = (g_data, g_data_t, _spaced_scale_inv(len(splits), x.device))
+        g_args = (grad_scale, grad_amax, g_data, g_data_t, grad[2])
+    elif grad_scale is not None or grad_amax is not None:
+        raise ValueError(f"{op}: arguments 'grad_scale' and 'grad_amax' go with grad_fp8_dtype (dx's FP8 copies)")
     _C.swiglu_backward_cast_fp8_grouped(dense(dout), x, probs, torch.tensor(splits, dtype=torch.int64),
-                                        int(row_multiple), dx, dprobs, scale, data_t, scale_inv, stream_for(x))
-    return dx, dprobs, data_t, scale_inv
+                                        int(row_multiple), dx, dprobs, scale, data_t, scale_inv, *g_args,
+                                        stream_for(x))
+    return dx, dprobs, data_t, scale_inv, grad
 
 
 def cast_fp8_grouped_ends(x, row_end, fp8_dtype, *, scale, amax=None, swiglu=False, probs=None):

@@ -146,6 +146,42 @@ def _declined(reason):
     return None
 
 
+def _one_call_refusal():
+    """Why no grouped call casts every expert now (quantize_grouped falls
+    back to per-expert casts), or None."""
+    if recompute.open_contexts:
+        return "inside an activation checkpoint's recompute"
+    if stats.recording():
+        return "FP8 statistics are being recorded"
+    return None
+
+
+def _delayed_slots(q, role, splits):
+    """(scale, amax) of role's per-expert delayed-scaling slots in q's
+    ScalingState, or None where an expert with rows has no amax history
+    yet (a first cast: that tensor's scale comes from its own amax,
+    quantize_with_state's; an expert with no rows is not cast, its GEMM
+    skipped, so it needs none)."""
+    first, state = _ROLE_INDEX[role], q.state
+    if not all(state.has_history(3 * g + first) for g in range(len(splits)) if splits[g]):
+        return None
+    return state.role_slots(first, 3)
+
+
+def delayed_grad_slots(q, splits):
+    """(scale, amax, fp8 dtype) with which one grouped call casts every
+    expert's output gradient for GemmQuantizers ``q`` under delayed scaling
+    where quantize_grouped(q, "grad", ...) would (no checkpoint recompute,
+    no FP8 statistics, every expert with rows past its first cast), else
+    None: a producer that makes those bytes itself (the down projection's
+    SwiGLU backward, for the gate-up layer) makes what quantize_grouped
+    would."""
+    if q.kind != "delayed" or _one_call_refusal():
+        return None
+    slots = _delayed_slots(q, "grad", splits)
+    return None if slots is None else (slots[0], slots[1], q.grads[0].fp8_dtype)
+
+
 def quantize_grouped(q, role, x, splits, padded, *, rowwise=True, transpose=True, swiglu=False, probs=None):
     """x [M, K] (G runs of ``splits`` rows, ``padded`` their counts rounded
     up to the FP8 row multiple, which the caller holds already) as a
@@ -157,26 +193,21 @@ def quantize_grouped(q, role, x, splits, padded, *, rowwise=True, transpose=True
     kind = q.kind
     if kind == "block":
         return None  # block scaling has its own per-expert kernels, no grouped one yet
-    if recompute.open_contexts:
-        return _declined("inside an activation checkpoint's recompute")
-    if stats.recording():
-        return _declined("FP8 statistics are being recorded")
+    why = _one_call_refusal()
+    if why:
+        return _declined(why)
     if not x.is_contiguous():
         x = x.contiguous()
     if x.is_cuda and x.data_ptr() % 16:
         return _declined("an input not 16-byte aligned, which the grouped kernel reads in 16-byte vectors")
     G = len(splits)
-    first = _ROLE_INDEX[role]
     roles = q.inputs if role == "input" else q.grads
     fp8_dtype = roles[0].fp8_dtype
     if kind == "delayed":
-        state = q.state
-        if not all(state.has_history(3 * g + first) for g in range(G) if splits[g]):
-            # a first cast: that tensor's scale comes from its own amax (quantize_with_state); an expert
-            # with no rows is not cast (its GEMM is skipped), so it needs no history
+        slots = _delayed_slots(q, role, splits)
+        if slots is None:
             return None
-        scale, amax = state.role_slots(first, 3)
-        kw = dict(scale=scale, amax=amax, rowwise=rowwise, transpose=transpose)
+        kw = dict(scale=slots[0], amax=slots[1], rowwise=rowwise, transpose=transpose)
     else:
         slots = torch.empty((2, G), dtype=torch.float32, device=x.device)
         kw = dict(scale=slots[0], amax=slots[1], rowwise=rowwise, transpose=transpose, current=True,
