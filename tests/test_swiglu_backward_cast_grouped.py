@@ -42,13 +42,16 @@ def _inputs(splits, k, dtype, with_probs, gen, device="cpu"):
 
 
 def _reference(x, dout, probs, splits, fp8_dtype, scale, grad=None):
-    """The unfused ops; ``grad``: (fp8 dtype, scale, amax) of dx's casts (amax updated in place)."""
+    """The unfused ops; ``grad``: (fp8 dtype, scale, amax[, rowwise, transpose]) of dx's casts (amax updated
+    in place)."""
     dx, dprobs = moe_ops.swiglu_backward(dout, x, probs)
     data_t = si = g = None
     if fp8_dtype is not None:
         _, data_t, si = moe_ops.swiglu_cast_fp8_grouped(x, probs, splits, fp8_dtype, scale=scale, rowwise=False)
     if grad is not None:
-        g = moe_ops.cast_fp8_grouped(dx, splits, grad[0], scale=grad[1], amax=grad[2])
+        rowwise, transpose = grad[3:5] if len(grad) > 3 else (True, True)
+        g = moe_ops.cast_fp8_grouped(dx, splits, grad[0], scale=grad[1], amax=grad[2], rowwise=rowwise,
+                                     transpose=transpose)
     return dx, dprobs, data_t, si, g
 
 
@@ -57,6 +60,7 @@ def _grad_state(G, gen, device="cpu"):
     buf = torch.zeros(2, 3 * G)
     buf[0] = torch.rand(3 * G, generator=gen) * 3 + 0.25
     buf[1, ::2] = 2.0
+    buf[1, 2] = -0.0  # (a start of -0 loses to any amax: fp8.h's fold compares the bits signed)
     buf = buf.to(device)
     return buf[0, 2::3], buf[1, 2::3]
 
@@ -127,7 +131,9 @@ def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale, grad=None):
     g = g_args = None
     if grad is not None:
         poison = lambda *shape: torch.full(shape, 255, dtype=torch.uint8, device=x.device).view(grad[0])  # noqa
-        g = (poison(mp, 2 * k), poison(2 * k, mp), moe_ops._spaced_scale_inv(len(splits), x.device).fill_(float("nan")))
+        rowwise, transpose = grad[3:5]
+        g = (poison(mp, 2 * k) if rowwise else None, poison(2 * k, mp) if transpose else None,
+             moe_ops._spaced_scale_inv(len(splits), x.device).fill_(float("nan")))
         g_args = (grad[1], grad[2], *g)
     _C.swiglu_backward_cast_fp8_grouped(dout, x, probs, torch.tensor(splits, dtype=torch.int64), 16, dx, dprobs,
                                         scale if fp8_dtype is not None else None, data_t, si,
@@ -162,16 +168,18 @@ def test_cuda_equals_the_unfused_cuda_ops_and_the_cpu(seed):
         for padded_dout in (True, False):
             x, dout, dout_p, probs, scale = _inputs(splits, k, dtype, with_probs, gen)
             d_in = dout_p if padded_dout else dout
-            grad_dtype = (E5M2, E4M3, None)[n % 3] if padded_dout else None
+            # dx's FP8 copies: formats and which copies vary across the cases (both layouts of dout)
+            grad_dtype = (E5M2, E4M3, None)[(n + padded_dout) % 3]
+            copies = ((True, True), (True, False), (False, True))[(n + 2 * padded_dout) % 3]
             gs, ga = _grad_state(len(splits), gen, "cuda")
             ga_ref = ga.clone()
             got = _call_poisoned(cu(d_in), cu(x), cu(probs), splits, fp8_dtype, cu(scale),
-                                 (grad_dtype, gs, ga) if grad_dtype else None)
+                                 (grad_dtype, gs, ga, *copies) if grad_dtype else None)
             what = (f"splits {splits[:6]} k {k} {dtype} probs {with_probs} {fp8_dtype} padded {padded_dout} "
-                    f"grad {grad_dtype}")
+                    f"grad {grad_dtype} {copies}")
             # the unfused CUDA ops (the same expressions and rounding): bit for bit but dprobs' order
             want = _reference(cu(x), cu(dout), cu(probs), splits, fp8_dtype, cu(scale),
-                              (grad_dtype, gs, ga_ref) if grad_dtype else None)
+                              (grad_dtype, gs, ga_ref, *copies) if grad_dtype else None)
             assert torch.equal(got[0], want[0]), what
             _same_grad(got[4], want[4], what)
             assert torch.equal(ga, ga_ref), what
@@ -216,7 +224,7 @@ def test_bad_inputs_name_their_rule():
     with pytest.raises(ValueError, match="go together"):
         _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, torch.empty_like(x), None,
                                             torch.ones(2), None, None, *none5, 0)
-    with pytest.raises(ValueError, match="'dx'.*overlap|meets|apart|'dx'"):
+    with pytest.raises(ValueError, match="output 'dx' shares memory with input 'x'"):
         _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, x, None, None, None, None,
                                             *none5, 0)
     with pytest.raises(ValueError, match="'grad_scale'.*goes with grad_fp8_dtype|grad_fp8_dtype"):

@@ -489,13 +489,15 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
 /* ---- the SwiGLU's backward over padded blocks (sf_swiglu_backward_cast_fp8_grouped) ----
  *
  * The backward of a mixture-of-experts MLP's down projection under FP8
- * needs two things from the gate|up pairs it saved: the SwiGLU's gradient
- * (dx, dprobs) from the input gradient the grouped GEMM wrote in padded
- * row blocks, and, for the weight gradient, the SwiGLU's value cast to FP8
- * and transposed with the scales the forward's cast used.  One pass reads
- * the pairs once for both and reads the padded blocks where they lie (no
- * copy of the real rows first).  On the CPU it is the two reference ops,
- * group by group: sf_moe_swiglu_backward, then sf_swiglu_cast_fp8_grouped. */
+ * needs from the gate|up pairs it saved: the SwiGLU's gradient (dx,
+ * dprobs) from the input gradient the grouped GEMM wrote in padded row
+ * blocks; for the weight gradient, the SwiGLU's value cast to FP8 and
+ * transposed with the scales the forward's cast used; and, for the gate-up
+ * layer's backward, dx's own FP8 copies.  One pass reads the pairs once for
+ * all of them and reads the padded blocks where they lie (no copy of the
+ * real rows first).  On the CPU it is the reference ops: group by group
+ * sf_moe_swiglu_backward, then sf_swiglu_cast_fp8_grouped and
+ * sf_cast_fp8_grouped of dx. */
 
 /* Rows r0 .. r0 + n - 1 of a contiguous 2-D or 1-D tensor, as a view. */
 static sf_tensor row_view(const sf_tensor *t, int64_t r0, int64_t n)

@@ -857,13 +857,15 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * makes of dx.  A row's probability
  * gradient is a sum over all K columns, so one CTA owns whole rows: each
  * thread sums its 8 rows over its columns, the 16 threads of a row add up
- * in a fixed shuffle order, and no atomics or second pass are needed. */
+ * in a fixed shuffle order, with no atomics or second pass.  The load,
+ * tile and transposed-store steps are cast_transpose_tile's (kept beside
+ * it: here three values are loaded a row and up to three tiles stored). */
 struct BwdTable {
     int n, first;
     int tile_start[kGroupsPerLaunch + 1]; /* group i's 128-row blocks */
     int64_t row[kGroupsPerLaunch];        /* its first row of x, dx, probs, dprobs */
     int64_t drow[kGroupsPerLaunch];       /* its first row of dout */
-    int64_t col[kGroupsPerLaunch];        /* its first column of out_t */
+    int64_t col[kGroupsPerLaunch];        /* its padded offset: first column of out_t / g_out_t, row of g_out */
     int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch];
 };
 
@@ -1029,8 +1031,8 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
     if constexpr (GRAD)
         if (pt.g_amax) { /* one atomic a warp (the three tiles fill the 48 KB of static shared memory) */
             const uint32_t w = __reduce_max_sync(0xffffffffu, local_max);
-            if (lane == 0)
-                atomicMax(reinterpret_cast<unsigned *>(pt.g_amax + g * pt.g_amax_stride), w);
+            if (lane == 0) /* (signed, as fp8.h's sf_amax_fold: a start of -0 or below loses) */
+                atomicMax(reinterpret_cast<int *>(pt.g_amax + g * pt.g_amax_stride), (int)w);
         }
     if (pt.dprobs) {
 #pragma unroll
@@ -1215,7 +1217,7 @@ __global__ void __launch_bounds__(kThreads) grouped_ends_cast_kernel(EndsCast a)
     if (a.amax)
         for (int g = t; g < G; g += kThreads)
             if (maxes[g])
-                atomicMax(reinterpret_cast<unsigned *>(a.amax + g * a.amax_stride), maxes[g]);
+                atomicMax(reinterpret_cast<int *>(a.amax + g * a.amax_stride), (int)maxes[g]); /* sf_amax_fold */
 }
 
 } // namespace

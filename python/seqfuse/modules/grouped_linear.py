@@ -1252,7 +1252,10 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     if need_dx:
         out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
         dgrad = _grouped(g_row, w_dg, padded, out)
-        if ctx.swiglu and dgrad.dtype == h.dtype:
+        del out
+        # the fused pass reads h in 16-byte vectors (an unaligned h, which the forward's per-expert casts took,
+        # takes the unfused kernels)
+        if ctx.swiglu and dgrad.dtype == h.dtype and (not h.is_cuda or h.data_ptr() % 16 == 0):
             cast = swiglu_cast if need_dw else None
             grad_kw = link_out.producer_args(splits) if link_out is not None else {}
             dx, dprobs, data_t, si, g = moe_ops.swiglu_backward_cast_fp8_grouped(
@@ -1262,10 +1265,11 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
                 x_col = _Columns(GroupedFloat8(None, data_t, si, padded))
             if g is not None:
                 link_out.put(dx, GroupedFloat8(g[0], g[1], g[2], padded), grad_kw["grad_amax"])
-        elif ctx.swiglu:  # (an input gradient in another dtype than the saved pairs)
+        elif ctx.swiglu:  # (an input gradient in another dtype than the saved pairs, or an unaligned h)
             dx, dprobs = moe_ops.swiglu_backward(_unpad(dgrad, splits, padded), h, probs, ctx.needs_input_grad[1])
         else:
             dx = _unpad(dgrad, splits, padded)
+        del dgrad  # (before the weight gradient's product)
     dws = [None] * G
     if need_dw:
         if callable(x_col):
@@ -1363,8 +1367,13 @@ class GradHandoff:
                     grad_transpose=self.transpose)
 
     def put(self, dx, gq, amax):
-        """The copies ``gq`` of ``dx`` and their amaxes ``amax`` (producer_args' scratch)."""
+        """The copies ``gq`` of ``dx`` and their amaxes ``amax`` (producer_args' scratch), kept until the
+        gate-up layer's backward takes them or, where this backward pass does not reach it, its end."""
         self.stash = (dx, dx._version, gq, amax)
+        torch.autograd.Variable._execution_engine.queue_callback(self._drop)
+
+    def _drop(self):
+        self.stash = None
 
     def take(self, dy, padded, rowwise, transpose):
         """The stashed GroupedFloat8 where ``dy`` is the dx it was made of
@@ -1376,7 +1385,9 @@ class GradHandoff:
         if (dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape and dy.dtype == dx.dtype
                 and dy._version == version and tuple(gq.padded) == tuple(padded)
                 and (gq.data is not None or not rowwise) and (gq.data_t is not None or not transpose)):
-            self.amax_slots.copy_(torch.maximum(self.amax_slots, amax))  # (as the cast folds them)
+            # folded as the cast folds (fp8.h's sf_amax_fold: the larger bits, compared signed)
+            bits = self.amax_slots.view(torch.int32)
+            bits.copy_(torch.maximum(bits, amax.view(torch.int32)))
             return gq
         note_grouped("the gate-up layer's output gradient is not the tensor the down projection's backward "
                      "cast (accumulated with another gradient, changed in place, or other copies wanted): "
@@ -1392,9 +1403,10 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
     scaled SwiGLU, cast in the same pass), probs or None, offsets
     (device_split_offsets of the counts), counts_wait (moe_ops.counts_to_host
     of the counts: queued in the forward, read in the backward), dtype,
-    num_gemms, (quantizers, is_first_microbatch, overwrite, lean, stacked),
-    *weights; ``stacked``: None, or with ``lean`` the weights' [G, out, in]
-    view of their one buffer, to be cast in one call).
+    num_gemms, (quantizers, is_first_microbatch, overwrite, lean, stacked,
+    link), *weights; ``stacked``: None, or with ``lean`` the weights' [G, out, in]
+    view of their one buffer, to be cast in one call; ``link``: GroupedMLP's
+    GradHandoff, or None).
 
     Forward: the input cast with each expert's delayed scale by
     ops.moe.cast_fp8_grouped_ends (the groups' ends read on the device, the
@@ -1417,7 +1429,10 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
     the SwiGLU's backward keeps anyway) with the scales the forward's cast
     used (a copy of the G scales taken then): the same bytes as a
     transposed copy made in the forward, the forward writing only the
-    row-wise copy its product reads."""
+    row-wise copy its product reads.  With the SwiGLU that copy comes out of
+    the SwiGLU's backward pass (swiglu_backward_cast_fp8_grouped), which in
+    GroupedMLP (qargs' GradHandoff, shared by its two layers) also casts
+    the gate-up layer's output gradient for that layer's backward."""
 
     @staticmethod
     def forward(ctx, x, probs, offsets, counts_wait, dtype, G, qargs, *weights):

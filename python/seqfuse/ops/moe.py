@@ -21,6 +21,10 @@ them, so MoE code written for TE ports by changing the import:
     moe_unpermute(inp, row_id_map, merging_probs)  -> tokens back, weighted
     scaled_swiglu(x, probs)                        -> silu(gate) * up * probs, one kernel
     swiglu_cast_fp8_grouped(x, probs, m_splits, ...) cast_fp8_grouped of scaled_swiglu, one pass
+    swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, ...)
+                                                   -> the SwiGLU's backward over padded blocks, with
+                                                      the down projection's weight-gradient operand and
+                                                      dx's FP8 copies, one pass
 
 The router, loss and permutation functions are differentiable (autograd
 Functions whose backward is the C kernel of each); grouped_gemm is a plain
@@ -711,12 +715,12 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dprobs = torch.empty_like(probs) if probs is not None and need_dprobs else None
     data_t = scale_inv = None
+    mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
     if fp8_dtype is not None:
         require_fp8_dlpack(op)
         fp8_dtype = fp8_dtype_of(fp8_dtype, op)
         if scale is None:
             raise ValueError(f"{op}: argument 'scale' (the forward's per-group scales) goes with fp8_dtype")
-        mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
         data_t = torch.empty((x.shape[1] // 2, mp), dtype=fp8_dtype, device=x.device)
         scale_inv = _spaced_scale_inv(len(splits), x.device)
     elif scale is not None:
@@ -731,7 +735,6 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
                              f"grad_fp8_dtype")
         if not grad_rowwise and not grad_transpose:
             raise ValueError(f"{op}: at least one of 'grad_rowwise' and 'grad_transpose' must be True")
-        mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
         g_data = torch.empty((mp, x.shape[1]), dtype=grad_fp8_dtype, device=x.device) if grad_rowwise else None
         g_data_t = torch.empty((x.shape[1], mp), dtype=grad_fp8_dtype, device=x.device) if grad_transpose else None
         grad = (g_data, g_data_t, _spaced_scale_inv(len(splits), x.device))

@@ -66,7 +66,7 @@ from . import recompute, stats
 from .gemm_quantizers import storage_holders, written_in_place
 from .tensor import Float8Tensor
 
-__all__ = ["GroupedFloat8", "StackedFloat8", "lean_weights", "note_grouped", "quantize_grouped",
+__all__ = ["GroupedFloat8", "StackedFloat8", "delayed_grad_slots", "lean_weights", "note_grouped", "quantize_grouped",
            "release_weight_pairs", "stacked_weights_fp8", "weight_pairs"]
 
 _log = logging.getLogger("seqfuse")
