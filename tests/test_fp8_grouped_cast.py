@@ -707,13 +707,13 @@ def test_grouped_linear_fp8_cuda_misaligned_swiglu_input_trains(recipe, seed):
     and backward run and give the aligned input's results within bf16's
     pair tolerance (other cuBLASLt algorithms for other addresses)."""
     splits = [100, 0, 60]
-    gl = GroupedLinear(3, 128, 64, bias=False, device="cuda", params_dtype=torch.bfloat16)
+    gl = GroupedLinear(3, 128, 128, bias=False, device="cuda", params_dtype=torch.bfloat16)  # (block: 128s)
     h = torch.randn(160, 256, device="cuda").bfloat16()
     buf = torch.empty(160 * 256 + 4, dtype=torch.bfloat16, device="cuda")
     off = buf[4:].view(160, 256)
     off.copy_(h)
     assert off.data_ptr() % 16 == 8
-    probs, dy = torch.rand(160, device="cuda"), torch.randn(160, 64, device="cuda").bfloat16()
+    probs, dy = torch.rand(160, device="cuda"), torch.randn(160, 128, device="cuda").bfloat16()
     grads = []
     for inp in (off, h):
         x, p = inp.detach().requires_grad_(), probs.clone().requires_grad_()
