@@ -261,7 +261,7 @@ def op_specs():
                     swiglu_cast, ref=swiglu_cast_ref, tensors=["x", "probs", "scale", "amax"],
                     nan_args=["x", "probs", "scale"]))
 
-    def swiglu_bwd_ref(a):
+    def swiglu_backward_ref(a):
         x, p, dy = a["x"].double(), a["probs"].double(), a["dout"].double()
         dy = torch.cat([dy[0:3], dy[16:21]])  # (the real rows of the padded blocks)
         d = dy * p[:, None]
@@ -271,7 +271,7 @@ def op_specs():
         _, data_t, si, _ = swiglu_cast_ref(a)
         return dx, (dy * g * sig * u).sum(1), data_t, si
 
-    def swiglu_bwd(a):
+    def swiglu_backward(a):
         dx, dp, data_t, si, _ = ops.moe.swiglu_backward_cast_fp8_grouped(a["dout"], a["x"], a["probs"], [3, 5], F8,
                                                                      scale=a["scale"])
         return dx, dp, data_t.float(), si
@@ -279,7 +279,7 @@ def op_specs():
     S.append(OpSpec("swiglu_backward_cast_fp8_grouped",
                     lambda d: {"dout": r(32, 16, device=d), "x": r(8, 32, device=d), "probs": torch.rand(8, device=d),
                                "scale": torch.tensor([2.0, 0.5], device=d)},
-                    swiglu_bwd, ref=swiglu_bwd_ref, tensors=["dout", "x", "probs", "scale"]))
+                    swiglu_backward, ref=swiglu_backward_ref, tensors=["dout", "x", "probs", "scale"]))
 
     def current_list(a):
         data, data_t, si, scale, amax = ops.moe.cast_fp8_current_list(a["xs"], F8)

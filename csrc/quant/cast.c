@@ -511,7 +511,7 @@ static sf_tensor row_view(const sf_tensor *t, int64_t r0, int64_t n)
 /* A dense operand of the fused backward: x's dtype, contiguous, 2-D
  * [rows, cols] (rows_alt: a second row count allowed, 0: none), on x's device,
  * 16-byte aligned off the CPU; `written`: an output. */
-static sf_status check_bwd_dense(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
+static sf_status check_backward_dense(const char *op, const char *arg, const sf_tensor *t, int64_t rows,
                                  int64_t rows_alt, int64_t cols, const sf_tensor *x, int written)
 {
     SF_TRY(sf_check_float_input(op, arg, t));
@@ -544,8 +544,8 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
     int64_t m, k, G, padded;
     SF_TRY(check_grouped_rows(op, x, 1, probs, &m, &k));
     SF_TRY(check_splits(op, m_splits, m, row_multiple, &G, &padded));
-    SF_TRY(check_bwd_dense(op, "dout", dout, m, padded, k, x, 0));
-    SF_TRY(check_bwd_dense(op, "dx", dx, m, 0, 2 * k, x, 1));
+    SF_TRY(check_backward_dense(op, "dout", dout, m, padded, k, x, 0));
+    SF_TRY(check_backward_dense(op, "dx", dx, m, 0, 2 * k, x, 1));
     if (dprobs) {
         if (!probs)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' goes with 'probs'", op);
@@ -636,7 +636,7 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
         return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
     for (int64_t g = 0; g < G; ++g)
         mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
-    sf_swiglu_bwd_grouped_args b = {
+    sf_swiglu_backward_grouped_args b = {
         .dtype = x->dtype, .k = k, .groups = G, .m = splits, .mp = mp, .x = x->data, .dout = dout->data,
         .dout_padded = dout_padded, .probs = probs ? probs->data : NULL,
         .probs_dtype = probs ? probs->dtype : SF_FLOAT32, .dx = dx->data,

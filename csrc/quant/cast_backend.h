@@ -125,9 +125,9 @@ typedef struct {
      * [2k, Mp] (either may be NULL), with grad's scaling vectors and format */
     const sf_cast_grouped_args *grad;
     uint8_t *grad_out, *grad_out_t;
-} sf_swiglu_bwd_grouped_args;
+} sf_swiglu_backward_grouped_args;
 
-sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_bwd_grouped_args *a, int device, sf_stream stream);
+sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_backward_grouped_args *a, int device, sf_stream stream);
 
 /* The most groups sf_cast_fp8_grouped_ends takes (its kernel keeps the
  * groups' ends, scales and amaxes in shared memory). */

@@ -860,7 +860,7 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * in a fixed shuffle order, with no atomics or second pass.  The load,
  * tile and transposed-store steps are cast_transpose_tile's (kept beside
  * it: here three values are loaded a row and up to three tiles stored). */
-struct BwdTable {
+struct BackwardTable {
     int n, first;
     int tile_start[kGroupsPerLaunch + 1]; /* group i's 128-row blocks */
     int64_t row[kGroupsPerLaunch];        /* its first row of x, dx, probs, dprobs */
@@ -869,7 +869,7 @@ struct BwdTable {
     int64_t m[kGroupsPerLaunch], mp[kGroupsPerLaunch];
 };
 
-struct BwdPtrs {
+struct BackwardPtrs {
     const void *x, *dout, *probs;
     void *dx, *dprobs;
     sf_dtype pd, dpd;
@@ -886,12 +886,12 @@ struct BwdPtrs {
     int g_e5m2;
 };
 
-static_assert(sizeof(BwdTable) + sizeof(BwdPtrs) <= 4096,
+static_assert(sizeof(BackwardTable) + sizeof(BackwardPtrs) <= 4096,
               "the grouped SwiGLU backward's kernel parameters must fit CUDA's 4 KB");
 
 template <typename T, bool E5M2, bool CAST, bool GRAD>
 __global__ void __launch_bounds__(kThreads, 2)
-grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
+grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
 {
     __shared__ __align__(16) uint32_t tile[CAST ? kTile : 1][kWords];
     __shared__ __align__(16) uint32_t tile_g[GRAD ? kTile : 1][kWords], tile_u[GRAD ? kTile : 1][kWords];
@@ -1050,18 +1050,18 @@ grouped_swiglu_backward_kernel(BwdTable tab, BwdPtrs pt)
 }
 
 template <typename T>
-sf_status launch_swiglu_backward_grouped(const sf_swiglu_bwd_grouped_args *a, cudaStream_t stream)
+sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *a, cudaStream_t stream)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
     const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
-    BwdPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
+    BackwardPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
                   a->ld_t, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
                   c ? c->scale_inv_stride : 0, a->grad_out, a->grad_out_t, gr ? gr->scale : nullptr,
                   gr ? gr->amax : nullptr, gr ? gr->scale_inv : nullptr, gr ? gr->scale_stride : 0,
                   gr ? gr->amax_stride : 0, gr ? gr->scale_inv_stride : 0, gr ? gr->e5m2 : 0};
     int64_t row = 0, prow = 0;
     for (int64_t first = 0; first < a->groups; first += kGroupsPerLaunch) {
-        BwdTable tab;
+        BackwardTable tab;
         tab.n = (int)(a->groups - first < kGroupsPerLaunch ? a->groups - first : kGroupsPerLaunch);
         tab.first = (int)first;
         int64_t blocks = 0;
@@ -1357,7 +1357,7 @@ extern "C" sf_status sf_column_sums_cuda(const float *ws, int64_t parts, int64_t
     return st;
 }
 
-extern "C" sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_bwd_grouped_args *a, int device, sf_stream s)
+extern "C" sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_backward_grouped_args *a, int device, sf_stream s)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
     cudaStream_t stream = sf_cuda_stream(s);
