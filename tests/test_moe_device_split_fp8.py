@@ -122,6 +122,22 @@ def test_rowwise_cast_leading_dims_and_checks():
 
 # ---- the stacked weights' cast ---------------------------------------------------------
 
+def test_stacked_cast_entry_checks_its_stacks():
+    """The C entry the stacked cast calls checks its own stacks (the list
+    entry it hands the matrices to checks the rest)."""
+    from seqfuse import _C
+
+    w = torch.randn(2, 32, 48)
+    si, slots = torch.empty(2), torch.empty(2, 2)
+    out = torch.empty(2, 32, 48, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="'w' must be a \\[G, N, K\\] stack"):
+        _C.cast_fp8_current_stacked(w[0], out, None, slots[0], slots[1], si, 0, 0)
+    with pytest.raises(ValueError, match=r"'out_t' must have shape \[2, 48, 32\]"):
+        _C.cast_fp8_current_stacked(w, None, out, slots[0], slots[1], si, 0, 0)
+    with pytest.raises(ValueError, match="'w'.*contiguous|contiguous.*'w'"):
+        _C.cast_fp8_current_stacked(w.transpose(1, 2), None, out, slots[0], slots[1], si, 0, 0)
+
+
 def test_stacked_cast_equals_the_list_cast(seed):
     w = torch.randn(3, 32, 48) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
     data, data_t, si = moe.cast_fp8_current_stacked(w, torch.float8_e4m3fn)

@@ -32,7 +32,7 @@ import torch
 STUBBED = ("amax", "cast_fp8", "cast_fp8_current", "cast_fp8_dbias", "fp8_compute_scale", "fp8_scale_update",
            "gemm", "transpose_fp8", "grouped_gemm", "grouped_gemm_device_ends", "cast_fp8_grouped",
            "swiglu_cast_fp8_grouped", "cast_fp8_grouped_ends", "cast_fp8_current_list", "moe_swiglu_forward",
-           "moe_swiglu_backward", "swiglu_backward_cast_fp8_grouped")
+           "moe_swiglu_backward", "swiglu_backward_cast_fp8_grouped", "cast_fp8_current_stacked")
 
 
 @contextlib.contextmanager

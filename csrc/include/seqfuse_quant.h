@@ -177,6 +177,14 @@ sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out,
                                    sf_tensor *amax, sf_tensor *scale_inv, int margin,
                                    sf_stream stream);
 
+/* sf_cast_fp8_current_list of the G matrices of one stacked tensor: w
+ * [G, N, K] contiguous, out [G, N, K] and out_t [G, K, N] contiguous (either
+ * NULL, not both), matrix g cast as the list's tensor g (the same checks,
+ * bytes and scales): a device-split grouped layer's weights in one call
+ * without a tensor per expert crossing the binding. */
+sf_status sf_cast_fp8_current_stacked(const sf_tensor *w, sf_tensor *out, sf_tensor *out_t, sf_tensor *scale,
+                                      sf_tensor *amax, sf_tensor *scale_inv, int margin, sf_stream stream);
+
 /* out_t = data^T: data an FP8 tensor viewed as [M, K] (K its last
  * dimension, contiguous), out_t [K, M] contiguous with data's dtype.  The
  * bytes move unchanged (same scale).  Under delayed scaling the norm and

@@ -41,6 +41,9 @@ SF_PY_OP(cast_fp8_grouped_ends, sf_cast_fp8_grouped_ends,
 SF_PY_OP(cast_fp8_current_list, sf_cast_fp8_current_list,
          "Current scaling of each tensor of a list (a grouped layer's weights) in one call.",
          (TL, xs), (OTL, out), (OTL, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
+SF_PY_OP(cast_fp8_current_stacked, sf_cast_fp8_current_stacked,
+         "cast_fp8_current_list of the matrices of one [G, N, K] tensor into [G, N, K] / [G, K, N] copies.",
+         (T, w), (OT, out), (OT, out_t), (T, scale), (T, amax), (T, scale_inv), (INT, margin));
 SF_PY_OP(transpose_fp8, sf_transpose_fp8, "out_t = data viewed as [M, K], transposed (FP8 bytes).",
          (T, data), (T, out_t));
 SF_PY_OP(dequantize_fp8, sf_dequantize_fp8, "out = data * scale_inv[0].", (T, data),
@@ -115,6 +118,7 @@ const sf_py_binding *const sf_py_quant_bindings[] = {
     &swiglu_backward_cast_fp8_grouped_binding,
     &cast_fp8_grouped_ends_binding,
     &cast_fp8_current_list_binding,
+    &cast_fp8_current_stacked_binding,
     &transpose_fp8_binding,  &dequantize_fp8_binding,
     &fp8_scale_update_binding, &fp8_compute_scale_binding, &quantize_block_fp8_binding,
     &quantize_rowwise_fp8_binding, &quantize_block_fp8_rowcol_binding, &quantize_block_fp8_weight_binding,

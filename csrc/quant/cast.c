@@ -725,6 +725,56 @@ sf_status sf_cast_fp8_grouped_ends(const sf_tensor *x, const sf_tensor *probs, i
     return SF_IF_CUDA(op, "x", sf_cast_fp8_grouped_ends_cuda(&e, x->device_id, stream));
 }
 
+/* Matrix g of a contiguous 3-D tensor as a 2-D view. */
+static sf_tensor matrix_view(const sf_tensor *t, int64_t g)
+{
+    sf_tensor v = *t;
+    v.ndim = 2;
+    v.shape[0] = t->shape[1];
+    v.shape[1] = t->shape[2];
+    v.strides[0] = t->shape[2];
+    v.strides[1] = 1;
+    v.data = (char *)t->data + (size_t)(g * t->shape[1] * t->shape[2]) * sf_dtype_size(t->dtype);
+    return v;
+}
+
+sf_status sf_cast_fp8_current_stacked(const sf_tensor *w, sf_tensor *out, sf_tensor *out_t, sf_tensor *scale,
+                                      sf_tensor *amax, sf_tensor *scale_inv, int margin, sf_stream stream)
+{
+    static const char op[] = "cast_fp8_current_stacked";
+    SF_TRY(sf_check_contiguous(op, "w", w));
+    if (w->ndim != 3 || w->shape[0] < 1 || w->shape[0] > SF_CAST_MAX_GROUPS)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'w' must be a [G, N, K] stack of 1 to %d matrices", op,
+                       SF_CAST_MAX_GROUPS);
+    const int64_t G = w->shape[0];
+    const sf_tensor *outs[2] = {out, out_t};
+    static const char *names[2] = {"out", "out_t"};
+    for (int i = 0; i < 2; ++i) {
+        const sf_tensor *o = outs[i];
+        if (!o)
+            continue;
+        SF_TRY(sf_check_contiguous(op, names[i], o));
+        const int64_t r = i ? w->shape[2] : w->shape[1], c = i ? w->shape[1] : w->shape[2];
+        if (o->ndim != 3 || o->shape[0] != G || o->shape[1] != r || o->shape[2] != c)
+            return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have shape [%lld, %lld, %lld]", op, names[i],
+                           (long long)G, (long long)r, (long long)c);
+    }
+    sf_tensor *views = (sf_tensor *)malloc((size_t)(3 * G) * sizeof(sf_tensor));
+    if (!views)
+        return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld matrices", op, (long long)G);
+    for (int64_t g = 0; g < G; ++g) {
+        views[g] = matrix_view(w, g);
+        if (out)
+            views[G + g] = matrix_view(out, g);
+        if (out_t)
+            views[2 * G + g] = matrix_view(out_t, g);
+    }
+    sf_status st = sf_cast_fp8_current_list(G, views, out ? G : 0, out ? views + G : NULL, out_t ? G : 0,
+                                            out_t ? views + 2 * G : NULL, scale, amax, scale_inv, margin, stream);
+    free(views);
+    return st;
+}
+
 sf_status sf_cast_fp8_current_list(int64_t n, const sf_tensor *x, int64_t n_out, sf_tensor *out,
                                    int64_t n_out_t, sf_tensor *out_t, sf_tensor *scale,
                                    sf_tensor *amax, sf_tensor *scale_inv, int margin,

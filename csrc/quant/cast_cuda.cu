@@ -889,6 +889,24 @@ struct BackwardPtrs {
 static_assert(sizeof(BackwardTable) + sizeof(BackwardPtrs) <= 4096,
               "the grouped SwiGLU backward's kernel parameters must fit CUDA's 4 KB");
 
+/* Group g's delayed scale; the scale inverses written: g's by the first
+ * CTA of its rows (m0 == 0), those of the launch's groups with no rows by
+ * CTA 0. */
+__device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t g, int64_t m0, const float *scale,
+                                               int64_t scale_stride, float *scale_inv, int64_t inv_stride)
+{
+    const float s = scale[g * scale_stride];
+    if (m0 == 0 && threadIdx.x == 0)
+        scale_inv[g * inv_stride] = __fdiv_rn(1.0f, s);
+    if (blockIdx.x == 0)
+        for (int j = threadIdx.x; j < tab.n; j += blockDim.x)
+            if (tab.tile_start[j + 1] == tab.tile_start[j]) { /* a group with no rows */
+                const int64_t gj = tab.first + j;
+                scale_inv[gj * inv_stride] = __fdiv_rn(1.0f, scale[gj * scale_stride]);
+            }
+    return s;
+}
+
 template <typename T, bool E5M2, bool CAST, bool GRAD>
 __global__ void __launch_bounds__(kThreads, 2)
 grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
@@ -898,31 +916,10 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
     const int i = group_of_block(tab);
     const int64_t g = tab.first + i, m = tab.m[i], mp = tab.mp[i], k = pt.k;
     const int64_t m0 = (int64_t)(blockIdx.x - tab.tile_start[i]) * kTile;
-    float scale = 1.0f;
-    if constexpr (CAST) {
-        scale = pt.scale[g * pt.scale_stride];
-        if (m0 == 0 && threadIdx.x == 0)
-            pt.scale_inv[g * pt.scale_inv_stride] = __fdiv_rn(1.0f, scale);
-        if (blockIdx.x == 0)
-            for (int j = threadIdx.x; j < tab.n; j += blockDim.x)
-                if (tab.tile_start[j + 1] == tab.tile_start[j]) { /* a group with no rows */
-                    const int64_t gj = tab.first + j;
-                    pt.scale_inv[gj * pt.scale_inv_stride] = __fdiv_rn(1.0f, pt.scale[gj * pt.scale_stride]);
-                }
-    }
-    float gscale = 1.0f;
-    if constexpr (GRAD) {
-        gscale = pt.g_scale[g * pt.g_scale_stride];
-        if (m0 == 0 && threadIdx.x == 0)
-            pt.g_scale_inv[g * pt.g_scale_inv_stride] = __fdiv_rn(1.0f, gscale);
-        if (blockIdx.x == 0)
-            for (int j = threadIdx.x; j < tab.n; j += blockDim.x)
-                if (tab.tile_start[j + 1] == tab.tile_start[j]) {
-                    const int64_t gj = tab.first + j;
-                    pt.g_scale_inv[gj * pt.g_scale_inv_stride] =
-                        __fdiv_rn(1.0f, pt.g_scale[gj * pt.g_scale_stride]);
-                }
-    }
+    const float scale = CAST ? delayed_scale(tab, g, m0, pt.scale, pt.scale_stride, pt.scale_inv,
+                                             pt.scale_inv_stride) : 1.0f;
+    const float gscale = GRAD ? delayed_scale(tab, g, m0, pt.g_scale, pt.g_scale_stride, pt.g_scale_inv,
+                                              pt.g_scale_inv_stride) : 1.0f;
     if (tab.tile_start[i + 1] == tab.tile_start[i])
         return; /* (the one CTA of a launch whose groups have no rows) */
     uint8_t *g_out = GRAD && pt.g_out ? pt.g_out + tab.col[i] * 2 * k : nullptr;

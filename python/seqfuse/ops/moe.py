@@ -873,8 +873,10 @@ def cast_fp8_current_stacked(w, fp8_dtype, *, margin=0, rowwise=True, transpose=
     G = w.shape[0]
     scale_inv = (_spaced_scale_inv(G, w.device) if spaced
                  else torch.empty(G, dtype=torch.float32, device=w.device))
-    data, data_t, scale_inv, _, _ = _cast_current_list(op, list(w.unbind(0)), fp8_dtype, amax, margin,
-                                                       bool(rowwise), bool(transpose), scale_inv)
+    data, data_t, scale, amax = _current_outputs(op, G, w.shape[1], w.shape[2], w.device, fp8_dtype, amax,
+                                                 bool(rowwise), bool(transpose))
+    # (one C call on the stacks: no tensor per matrix crosses the binding)
+    _C.cast_fp8_current_stacked(detached(w), data, data_t, scale, amax, scale_inv, int(margin), stream_for(w))
     return data, data_t, scale_inv
 
 
@@ -883,23 +885,26 @@ def _cast_current_list(op, xs, fp8_dtype, amax, margin, rowwise, transpose, scal
     and dtype (checked by the caller: cast_fp8_current_list per tensor, a
     stack's slices by construction); the FP8 copies come back as [G, N, K]
     and [G, K, N] tensors (or None)."""
+    first = xs[0]
+    data, data_t, scale, amax = _current_outputs(op, len(xs), first.shape[0], first.shape[1], first.device,
+                                                 fp8_dtype, amax, rowwise, transpose)
+    cast_fp8_current_list_into(xs, None if data is None else list(data.unbind(0)),
+                               None if data_t is None else list(data_t.unbind(0)), scale, amax, scale_inv, margin)
+    return data, data_t, scale_inv, scale, amax
+
+
+def _current_outputs(op, G, n, k, dev, fp8_dtype, amax, rowwise, transpose):
+    """The list and stacked casts' outputs for G [n, k] matrices: (data
+    [G, n, k] or None, data_t [G, k, n] or None, scale [G], amax [G]: the
+    caller's or a new one)."""
     require_fp8_dlpack(op)
     fp8_dtype = fp8_dtype_of(fp8_dtype, op)
     if not rowwise and not transpose:
         raise ValueError(f"{op}: at least one of 'rowwise' and 'transpose' must be True")
-    G = len(xs)
-    first = xs[0]
-    n, k = first.shape
-    dev = first.device
     data = torch.empty((G, n, k), dtype=fp8_dtype, device=dev) if rowwise else None
     data_t = torch.empty((G, k, n), dtype=fp8_dtype, device=dev) if transpose else None
     slots = torch.empty((2, G), dtype=torch.float32, device=dev)
-    scale = slots[0]
-    if amax is None:
-        amax = slots[1]
-    cast_fp8_current_list_into(xs, None if data is None else list(data.unbind(0)),
-                               None if data_t is None else list(data_t.unbind(0)), scale, amax, scale_inv, margin)
-    return data, data_t, scale_inv, scale, amax
+    return data, data_t, slots[0], (slots[1] if amax is None else amax)
 
 
 def cast_fp8_current_list_into(xs, data, data_t, scale, amax, scale_inv, margin=0):
