@@ -281,6 +281,29 @@ def op_specs():
                                "scale": torch.tensor([2.0, 0.5], device=d)},
                     swiglu_backward, ref=swiglu_backward_ref, tensors=["dout", "x", "probs", "scale"]))
 
+    def swiglu_backward_grad_ref(a):  # (and dx's own FP8 copies, cast from dx as stored)
+        dx, dp, data_t, si = swiglu_backward_ref(a)
+        stored, gs = dx.to(a["x"].dtype).double(), a["grad_scale"]
+        data = torch.zeros(32, 32, dtype=torch.float64, device=stored.device)
+        data[0:3] = _fp8_ref(stored[0:3], gs[0])
+        data[16:21] = _fp8_ref(stored[3:8], gs[1])
+        amax = torch.stack([stored[0:3].abs().max(), stored[3:8].abs().max()])
+        return dx, dp, data_t, si, data, data.t(), 1 / gs.double(), amax
+
+    def swiglu_backward_grad(a):
+        dx, dp, data_t, si, g = ops.moe.swiglu_backward_cast_fp8_grouped(
+            a["dout"], a["x"], a["probs"], [3, 5], F8, scale=a["scale"], grad_fp8_dtype=F8,
+            grad_scale=a["grad_scale"], grad_amax=a["grad_amax"])
+        return dx, dp, data_t.float(), si, g[0].float(), g[1].float(), g[2], a["grad_amax"]
+
+    S.append(OpSpec("swiglu_backward_cast_fp8_grouped_grad",
+                    lambda d: {"dout": r(32, 16, device=d), "x": r(8, 32, device=d), "probs": torch.rand(8, device=d),
+                               "scale": torch.tensor([2.0, 0.5], device=d),
+                               "grad_scale": torch.tensor([4.0, 0.25], device=d), "grad_amax": torch.zeros(2, device=d)},
+                    swiglu_backward_grad, ref=swiglu_backward_grad_ref,
+                    tensors=["dout", "x", "probs", "scale", "grad_scale", "grad_amax"],
+                    nan_args=["dout", "x", "probs", "scale", "grad_scale"]))  # (amax accumulates: the fold's rule)
+
     def current_list(a):
         data, data_t, si, scale, amax = ops.moe.cast_fp8_current_list(a["xs"], F8)
         return [t.float() for t in data + data_t] + [si, scale, amax]
