@@ -58,7 +58,11 @@ layer's first FP8 forward takes host counts (its experts' first casts take
 their scales from their own amaxes), and an expert that has received no
 rows until then is cast on the route with its state's current scale (1
 for a tensor never cast, Transformer Engine's first step), and its first
-cast is noted in the backward, where the counts are on the host.
+cast is noted in the backward, where the counts are on the host.  In
+GroupedMLP the down projection's backward runs the SwiGLU's backward in one
+pass (ops.moe.swiglu_backward_cast_fp8_grouped) that also writes its weight
+gradient's FP8 operand and the gate-up layer's FP8 output gradient, which
+that layer's backward takes instead of casting (GradHandoff).
 Where the route does not apply (a bias, another dtype or recipe, a HYBRID
 current-scaling format, whose E5M2 gradients torch's scaled grouped GEMM
 does not take) the counts are read to the host, logged once with the
