@@ -14,6 +14,7 @@ stubbed out; on CUDA a GroupedMLP takes the route by itself and is held to
 the host-count GroupedMLP over training steps, and its forward waits on
 nothing the GPU computes."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -374,6 +375,8 @@ def test_grad_handoff_equals_the_gate_up_layers_own_cast(accumulate, monkeypatch
     feeds another term of the loss, so its gradient is not the tensor the
     down projection cast: the gate-up layer casts its own, logged."""
     monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    monkeypatch.setattr(notes_module, "_noted", set())  # (this process's earlier notes forgotten)
+    caplog.set_level(logging.INFO, logger="seqfuse")
     recipe = DelayedScaling()
     pairs = _mlp_pairs()
     M = sum(SPLITS)
@@ -426,3 +429,16 @@ def test_grad_handoff_equals_the_gate_up_layers_own_cast(accumulate, monkeypatch
         for fc1, fc2 in pairs:
             fc1.zero_grad(set_to_none=True)
             fc2.zero_grad(set_to_none=True)
+    taken_again = "not the tensor the down projection's backward cast" in caplog.text
+    assert taken_again == accumulate, caplog.text
+
+
+def test_swiglu_backward_names_why_it_runs_unfused():
+    """The one grouped pass needs the input gradient in the saved pairs'
+    dtype and 16-byte aligned CUDA pairs; otherwise the reason is named
+    (the backward logs it and takes the unfused kernels)."""
+    h = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert gl_module._swiglu_unfused(torch.zeros(4, 16, dtype=torch.bfloat16), h) is None
+    why = gl_module._swiglu_unfused(torch.zeros(4, 16), h)
+    assert "torch.float32" in why and "torch.bfloat16" in why
+

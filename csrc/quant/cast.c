@@ -374,6 +374,12 @@ static sf_status check_grouped_rows(const char *op, const sf_tensor *x, int swig
     return SF_OK;
 }
 
+/* m rows padded to the next multiple of row_multiple (the FP8 GEMMs' token blocks). */
+static int64_t padded_rows(int64_t m, int row_multiple)
+{
+    return (m + row_multiple - 1) / row_multiple * row_multiple;
+}
+
 /* The host row counts of a grouped entry: m_splits a contiguous 1-D int64
  * CPU tensor of 1 to SF_CAST_MAX_GROUPS non-negative counts adding up to
  * the m_total rows of x; row_multiple a positive multiple of 16.  *G and
@@ -401,7 +407,7 @@ static sf_status check_splits(const char *op, const sf_tensor *m_splits, int64_t
                            op, (long long)m_total, (long long)g, (long long)splits[g],
                            (long long)rows);
         rows += splits[g];
-        padded += (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
+        padded += padded_rows(splits[g], row_multiple);
     }
     if (rows != m_total)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'm_splits' adds up to %lld rows but 'x' has %lld",
@@ -449,7 +455,7 @@ static sf_status cast_grouped_rows(const char *op, const sf_tensor *x, int swigl
     int64_t r = 0, p = 0;
     for (int64_t g = 0; g < G; ++g) {
         l.m[g] = splits[g];
-        l.mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
+        l.mp[g] = padded_rows(splits[g], row_multiple);
         l.ld_t[g] = padded;
         l.x[g] = (const char *)x->data + (size_t)r * row * esize;
         l.probs[g] = probs ? (const char *)probs->data + (size_t)r * psize : NULL;
@@ -621,7 +627,7 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
                                               dprobs ? &dprobs_g : NULL, stream));
             }
             r += mg;
-            p += (mg + row_multiple - 1) / row_multiple * row_multiple;
+            p += padded_rows(mg, row_multiple);
         }
         if (out_t)
             SF_TRY(sf_swiglu_cast_fp8_grouped(x, probs, m_splits, row_multiple, scale, NULL, NULL, out_t, scale_inv,
@@ -635,7 +641,7 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
     if (!mp)
         return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for %lld groups", op, (long long)G);
     for (int64_t g = 0; g < G; ++g)
-        mp[g] = (splits[g] + row_multiple - 1) / row_multiple * row_multiple;
+        mp[g] = padded_rows(splits[g], row_multiple);
     sf_swiglu_backward_grouped_args b = {
         .dtype = x->dtype, .k = k, .groups = G, .m = splits, .mp = mp, .x = x->data, .dout = dout->data,
         .dout_padded = dout_padded, .probs = probs ? probs->data : NULL,

@@ -1257,9 +1257,8 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
         out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
         dgrad = _grouped(g_row, w_dg, padded, out)
         del out
-        # the fused pass reads h in 16-byte vectors (an unaligned h, which the forward's per-expert casts took,
-        # takes the unfused kernels)
-        if ctx.swiglu and dgrad.dtype == h.dtype and (not h.is_cuda or h.data_ptr() % 16 == 0):
+        unfused = _swiglu_unfused(dgrad, h) if ctx.swiglu else None
+        if ctx.swiglu and unfused is None:
             cast = swiglu_cast if need_dw else None
             grad_kw = link_out.producer_args(splits) if link_out is not None else {}
             dx, dprobs, data_t, si, g = moe_ops.swiglu_backward_cast_fp8_grouped(
@@ -1268,8 +1267,10 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
             if data_t is not None:
                 x_col = _Columns(GroupedFloat8(None, data_t, si, padded))
             if g is not None:
-                link_out.put(dx, GroupedFloat8(g[0], g[1], g[2], padded), grad_kw["grad_amax"])
-        elif ctx.swiglu:  # (an input gradient in another dtype than the saved pairs, or an unaligned h)
+                link_out.put(dx, GroupedFloat8(g[0], g[1], g[2], padded))
+        elif ctx.swiglu:
+            note_grouped("the SwiGLU's backward runs unfused (its input gradient unpadded first, the weight "
+                         "gradient's FP8 operand cast apart): %s", unfused)
             dx, dprobs = moe_ops.swiglu_backward(_unpad(dgrad, splits, padded), h, probs, ctx.needs_input_grad[1])
         else:
             dx = _unpad(dgrad, splits, padded)
@@ -1291,6 +1292,17 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     if ctx.bias_dtypes is not None:
         grads_b = dbs if need_db else [None] * G
     return (dx, dprobs, *(None,) * (_FP8_ARGS - 2), *dws, *grads_b)
+
+
+def _swiglu_unfused(dgrad, h):
+    """Why the SwiGLU's backward cannot take its one grouped pass
+    (swiglu_backward_cast_fp8_grouped) over the input gradient ``dgrad`` and
+    the saved gate|up pairs ``h``, or None."""
+    if dgrad.dtype != h.dtype:
+        return f"the input gradient is {dgrad.dtype}, the saved gate|up pairs {h.dtype}"
+    if h.is_cuda and h.data_ptr() % 16:
+        return "the saved gate|up pairs are not 16-byte aligned (the pass reads 16-byte vectors)"
+    return None
 
 
 def _stacked_fp8_weights(w_forward):
@@ -1348,10 +1360,10 @@ class GradHandoff:
     logged).  The cast's amaxes go to a scratch vector, folded into the
     state's slots when the copies are taken: a gradient cast again folds
     only its own."""
-    __slots__ = ("q", "rowwise", "transpose", "stash", "amax_slots")
+    __slots__ = ("q", "rowwise", "transpose", "stash", "amax_slots", "scratch")
 
     def __init__(self):
-        self.q = self.stash = self.amax_slots = None
+        self.q = self.stash = self.amax_slots = self.scratch = None
         self.rowwise = self.transpose = False
 
     def expect(self, q, *, rowwise, transpose):
@@ -1366,14 +1378,14 @@ class GradHandoff:
         if slots is None:
             return {}
         self.amax_slots = slots[1]
-        scratch = torch.zeros(len(splits), dtype=torch.float32, device=slots[1].device)
-        return dict(grad_fp8_dtype=slots[2], grad_scale=slots[0], grad_amax=scratch, grad_rowwise=self.rowwise,
-                    grad_transpose=self.transpose)
+        self.scratch = torch.zeros(len(splits), dtype=torch.float32, device=slots[1].device)
+        return dict(grad_fp8_dtype=slots[2], grad_scale=slots[0], grad_amax=self.scratch,
+                    grad_rowwise=self.rowwise, grad_transpose=self.transpose)
 
-    def put(self, dx, gq, amax):
-        """The copies ``gq`` of ``dx`` and their amaxes ``amax`` (producer_args' scratch), kept until the
-        gate-up layer's backward takes them or, where this backward pass does not reach it, its end."""
-        self.stash = (dx, dx._version, gq, amax)
+    def put(self, dx, gq):
+        """The copies ``gq`` of ``dx`` (their amaxes in producer_args' scratch), kept until the gate-up
+        layer's backward takes them or, where this backward pass does not reach it, its end."""
+        self.stash = (dx, dx._version, gq)
         torch.autograd.Variable._execution_engine.queue_callback(self._drop)
 
     def _drop(self):
@@ -1385,13 +1397,13 @@ class GradHandoff:
         st, self.stash = self.stash, None
         if st is None:
             return None
-        dx, version, gq, amax = st
+        dx, version, gq = st
         if (dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape and dy.dtype == dx.dtype
                 and dy._version == version and tuple(gq.padded) == tuple(padded)
                 and (gq.data is not None or not rowwise) and (gq.data_t is not None or not transpose)):
             # folded as the cast folds (fp8.h's sf_amax_fold: the larger bits, compared signed)
             bits = self.amax_slots.view(torch.int32)
-            bits.copy_(torch.maximum(bits, amax.view(torch.int32)))
+            bits.copy_(torch.maximum(bits, self.scratch.view(torch.int32)))
             return gq
         note_grouped("the gate-up layer's output gradient is not the tensor the down projection's backward "
                      "cast (accumulated with another gradient, changed in place, or other copies wanted): "
