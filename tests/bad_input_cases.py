@@ -304,6 +304,25 @@ def op_specs():
                     tensors=["dout", "x", "probs", "scale", "grad_scale", "grad_amax"],
                     nan_args=["dout", "x", "probs", "scale", "grad_scale"]))  # (amax accumulates: the fold's rule)
 
+    def swiglu_backward_copies_ref(a):  # (dx itself not written: its FP8 copies, dprobs and the value's copy)
+        return swiglu_backward_grad_ref(a)[1:]
+
+    def swiglu_backward_copies(a):
+        _, dp, data_t, si, g = ops.moe.swiglu_backward_cast_fp8_grouped(
+            a["dout"], a["x"], a["probs"], [3, 5], F8, scale=a["scale"], grad_fp8_dtype=F8,
+            grad_scale=a["grad_scale"], grad_amax=a["grad_amax"], want_dx=a["want_dx"])
+        return dp, data_t.float(), si, g[0].float(), g[1].float(), g[2], a["grad_amax"]
+
+    S.append(OpSpec("swiglu_backward_cast_fp8_grouped_copies",
+                    lambda d: {"dout": r(32, 16, device=d), "x": r(8, 32, device=d), "probs": torch.rand(8, device=d),
+                               "scale": torch.tensor([2.0, 0.5], device=d),
+                               "grad_scale": torch.tensor([4.0, 0.25], device=d), "grad_amax": torch.zeros(2, device=d),
+                               "want_dx": False},
+                    swiglu_backward_copies, ref=swiglu_backward_copies_ref,
+                    tensors=["dout", "x", "probs", "scale", "grad_scale", "grad_amax"],
+                    nan_args=["dout", "x", "probs", "scale", "grad_scale"],
+                    extra=[("want_dx_int", lambda a: dict(a, want_dx=0), "value", ("want_dx",))]))
+
     def current_list(a):
         data, data_t, si, scale, amax = ops.moe.cast_fp8_current_list(a["xs"], F8)
         return [t.float() for t in data + data_t] + [si, scale, amax]

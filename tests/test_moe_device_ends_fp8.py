@@ -227,19 +227,25 @@ def test_backward_refuses_counts_that_do_not_add_up(monkeypatch, seed):
 
 
 @pytest.mark.cuda
-def test_grouped_mlp_takes_the_route_and_trains_as_the_host_route(seed):
+@pytest.mark.parametrize("one_node", [True, False], ids=["one_node", "two_nodes"])
+def test_grouped_mlp_takes_the_route_and_trains_as_the_host_route(one_node, seed):
     """A bfloat16 GroupedMLP under DelayedScaling: the first step reads the
     counts to the host (no history yet), the next ones take the route
     without a synchronizing call in the forward, and every step's output,
     input gradient and parameter gradients equal the host-count GroupedMLP's
-    bit for bit (the same weights and scaling state throughout)."""
+    bit for bit (the same weights and scaling state throughout).
+    ``two_nodes``: a hook on the gate-up layer keeps its two layers two
+    autograd nodes (the gradient handed over between them)."""
     recipe = DelayedScaling()
     dev = GroupedMLP(256, 512, 8, 2, params_dtype=torch.bfloat16, device="cuda")
     host = copy.deepcopy(dev)
     host.device_splits = False
+    if not one_node:
+        dev.fc1.register_forward_hook(lambda *a: None)
     calls = []
-    real = gl_module.DeviceEndsFp8GroupedLinearFunction.apply
-    gl_module.DeviceEndsFp8GroupedLinearFunction.apply = lambda *a: calls.append(1) or real(*a)
+    cls = gl_module.DeviceEndsFp8GroupedMLPFunction if one_node else gl_module.DeviceEndsFp8GroupedLinearFunction
+    real = cls.apply
+    cls.apply = lambda *a: calls.append(1) or real(*a)
     try:
         for step in range(4):
             x = torch.randn(3, 333, 256, device="cuda").bfloat16()
@@ -266,9 +272,9 @@ def test_grouped_mlp_takes_the_route_and_trains_as_the_host_route(seed):
                     pd.add_(pd.grad, alpha=-1e-3)
             host.zero_grad(set_to_none=True)
             dev.zero_grad(set_to_none=True)
-            assert len(calls) == (0 if step == 0 else 2 * step), step
+            assert len(calls) == (0 if step == 0 else (1 if one_node else 2) * step), step
     finally:
-        gl_module.DeviceEndsFp8GroupedLinearFunction.apply = real
+        cls.apply = real
 
 
 @pytest.mark.cuda
@@ -431,6 +437,95 @@ def test_grad_handoff_equals_the_gate_up_layers_own_cast(accumulate, monkeypatch
             fc2.zero_grad(set_to_none=True)
     taken_again = "not the tensor the down projection's backward cast" in caplog.text
     assert taken_again == accumulate, caplog.text
+
+
+@pytest.mark.parametrize("x_grad,p_grad,w1_grad,w2_grad", [
+    (True, True, True, True), (False, True, True, True), (True, False, False, True), (False, False, True, False),
+    (False, True, False, False), (True, True, False, True)])
+def test_one_node_mlp_equals_two_layers(x_grad, p_grad, w1_grad, w2_grad, monkeypatch, seed):
+    """GroupedMLP's one-node form (device_ends_mlp): the gate-up layer's
+    output gradient is never written in bfloat16 (the down projection's
+    SwiGLU pass makes only its FP8 copies, which the gate-up layer's
+    backward reads; nothing casts that gradient again), and the outputs,
+    gradients and scaling states equal the two layers run as two nodes
+    without any handoff, bit for bit, for every set of wanted gradients."""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    recipe = DelayedScaling()
+    pairs = _mlp_pairs()
+    for fc1, fc2 in pairs:
+        fc1.requires_grad_(w1_grad)
+        fc2.requires_grad_(w2_grad)
+    M = sum(SPLITS)
+    # the warm step (every expert's first casts, the gate-up layer's gradient's too) of both pairs
+    xw, pw = torch.randn(M, 32).bfloat16().requires_grad_(), torch.rand(M)
+    with fp8_autocast(fp8_recipe=recipe):
+        ys = [fc2(fc1(xw, WARM), WARM, swiglu_probs=pw) for fc1, fc2 in pairs]
+    for y in ys:
+        y.float().sum().backward()
+    grad_casts, dx_wanted = [], []
+    real_cast, real_pass = gl_module.quantize_grouped, moe_ops.swiglu_backward_cast_fp8_grouped
+
+    def spy_cast(q, role, x, *a, **kw):
+        grad_casts.append((role, x.shape[1]))
+        return real_cast(q, role, x, *a, **kw)
+
+    def spy_pass(*a, **kw):
+        dx_wanted.append(kw.get("want_dx", True))
+        return real_pass(*a, **kw)
+
+    monkeypatch.setattr(gl_module, "quantize_grouped", spy_cast)
+    monkeypatch.setattr(moe_ops, "swiglu_backward_cast_fp8_grouped", spy_pass)
+    counts = torch.tensor(SPLITS)
+    for step in range(2):
+        for fc1, fc2 in pairs:
+            fc1.zero_grad(set_to_none=True)
+            fc2.zero_grad(set_to_none=True)
+        x, probs, dy = torch.randn(M, 32).bfloat16(), torch.rand(M), torch.randn(M, 32).bfloat16()
+        runs = []
+        with fp8_autocast(fp8_recipe=recipe):  # (one region: its exit updates every state once)
+            for i, (fc1, fc2) in enumerate(pairs):
+                xi, pi = x.clone().requires_grad_(x_grad), probs.clone().requires_grad_(p_grad)
+                offsets = moe_ops.device_split_offsets(counts, M)
+                wait = moe_ops.counts_to_host(counts)
+                if i == 0:
+                    y = gl_module.device_ends_mlp(fc1, fc2, xi, pi, offsets, wait)
+                    assert y.grad_fn.name().startswith("DeviceEndsFp8GroupedMLPFunction")
+                else:
+                    h = fc1._device_split(xi, counts, offsets, None, None, wait)
+                    y = fc2._device_split(h, counts, offsets, None, pi, wait)
+                runs.append((xi, pi, y))
+        results = []
+        for i, ((fc1, fc2), (xi, pi, y)) in enumerate(zip(pairs, runs)):
+            grad_casts.clear()
+            dx_wanted.clear()
+            if y.requires_grad:
+                (y.float() * dy.float()).sum().backward()
+            if i == 0:  # the one node: the gate-up layer's gradient only as the pass's FP8 copies
+                assert ("grad", 96) not in grad_casts, (step, grad_casts)
+                assert dx_wanted == ([False] if y.requires_grad else []), (step, dx_wanted)
+            results.append([y, xi.grad, pi.grad] + [p.grad for p in fc1.parameters()] +
+                           [p.grad for p in fc2.parameters()])
+        for j, (a, b) in enumerate(zip(*results)):
+            _same(a, b, (step, j))
+        for la, lb in zip(pairs[0], pairs[1]):
+            qa, qb = la._quantizers(recipe, "cpu"), lb._quantizers(recipe, "cpu")
+            for a, b in zip(qa.state.state_dict().values(), qb.state.state_dict().values()):
+                if isinstance(a, torch.Tensor):
+                    _same(a, b, ("state", step))
+
+
+def test_grouped_mlp_names_why_its_layers_run_as_two_nodes(monkeypatch):
+    mlp = GroupedMLP(32, 48, 4, 2, params_dtype=torch.bfloat16, device="cpu")
+    assert mlp._one_node_refusal() is None
+    handle = mlp.fc1.register_forward_hook(lambda *a: None)
+    assert "fc1 has module hooks" in mlp._one_node_refusal()
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    try:
+        assert "global module hooks" in mlp._one_node_refusal()
+    finally:
+        handle.remove()
+    assert mlp._one_node_refusal() is None
 
 
 def test_swiglu_backward_names_why_it_runs_unfused():

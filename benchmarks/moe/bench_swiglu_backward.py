@@ -10,7 +10,9 @@ Fused: one pass reading the padded blocks and the pairs once.  Rows
 "+ grad cast": the same with the gate-up layer's output-gradient cast
 (E5M2 row-wise and transposed, delayed scaling) that GroupedMLP's
 device-ends route now makes in the fused pass (GradHandoff), against
-cast_fp8_grouped of dx after the unfused steps.  Shapes:
+cast_fp8_grouped of dx after the unfused steps; and the same without dx
+itself (want_dx=False: GroupedMLP's one-node backward reads the copies
+alone).  Shapes:
 Mixtral-small's (2 x 8,192 tokens, top-2: 32,768 rows, FFN 3,584, 8
 experts with skewed counts), a 64-expert one, and 64 experts over 4,096
 rows (about 64 rows an expert: one 128-row block each, a grid of 64 CTAs,
@@ -69,21 +71,25 @@ def main():
                 out += (moe.cast_fp8_grouped(dx, splits, torch.float8_e5m2, scale=gscale, amax=gamax),)
             return out
 
-        def fused(grad=False):
+        def fused(grad=False, want_dx=True):
             kw = dict(grad_fp8_dtype=torch.float8_e5m2, grad_scale=gscale, grad_amax=gamax) if grad else {}
             return moe.swiglu_backward_cast_fp8_grouped(dgrad, x, probs, splits, torch.float8_e4m3fn, scale=scale,
-                                                        **kw)
+                                                        want_dx=want_dx, **kw)
 
-        a, b = unfused(True), fused(True)
+        a, b, c = unfused(True), fused(True), fused(True, want_dx=False)
         assert torch.equal(a[0], b[0]) and torch.equal(a[2][1].view(torch.uint8), b[2].view(torch.uint8))
         assert all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a[3][:2], b[4][:2]))
-        for grad in (False, True):
+        assert c[0] is None and all(torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+                                    for u, v in zip(b[4][:2], c[4][:2]))
+        for grad, want_dx, label in ((False, True, ""), (True, True, " + grad cast"),
+                                     (True, False, " + grad cast, no dx (GroupedMLP's one node)")):
             t_u = cuda_time_ms(lambda: unfused(grad), warmup=5, repeats=30)
-            t_f = cuda_time_ms(lambda: fused(grad), warmup=5, repeats=30)
-            # fused: reads the pairs, the real rows of dout, probs; writes dx, dprobs, the FP8 copy (+ dx's two)
-            moved = x.numel() * 2 + m * k * 2 + m * 4 + x.numel() * 2 + m * 4 + k * sum(padded)
+            t_f = cuda_time_ms(lambda: fused(grad, want_dx), warmup=5, repeats=30)
+            # fused: reads the pairs, the real rows of dout, probs; writes dx (unless not wanted), dprobs, the FP8
+            # copy (+ dx's two)
+            moved = x.numel() * 2 + m * k * 2 + m * 4 + (x.numel() * 2 if want_dx else 0) + m * 4 + k * sum(padded)
             moved += 2 * 2 * k * sum(padded) if grad else 0
-            table.add(shape=f"{name}{' + grad cast' if grad else ''}: {m} rows, K {k}, {groups} experts",
+            table.add(shape=f"{name}{label}: {m} rows, K {k}, {groups} experts",
                       unfused_ms=t_u, fused_ms=t_f, ratio=t_u / t_f, fused_gbps=moved / t_f / 1e6)
     table.save({"command": "python benchmarks/moe/bench_swiglu_backward.py"})
 

@@ -141,7 +141,9 @@ sf_status sf_swiglu_cast_fp8_grouped(const sf_tensor *x, const sf_tensor *probs,
  * and/or grad_out_t [2K, Mp] are given (grad_amax optional), dx is also
  * cast for the gate-up layer's backward as sf_cast_fp8_grouped(dx, ...)
  * casts it under delayed scaling (its FP8 copies, max |dx_g| folded into
- * grad_amax[g], grad_scale_inv = 1 / grad_scale), bit for bit. */
+ * grad_amax[g], grad_scale_inv = 1 / grad_scale), bit for bit.  dx NULL:
+ * dx is not written (a caller that wants its FP8 copies alone, or dprobs
+ * alone; on the CPU it is computed into a scratch buffer). */
 sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
                                               const sf_tensor *m_splits, int row_multiple, sf_tensor *dx,
                                               sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,

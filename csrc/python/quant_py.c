@@ -29,8 +29,8 @@ SF_PY_OP(swiglu_backward_cast_fp8_grouped, sf_swiglu_backward_cast_fp8_grouped,
          "The SwiGLU's backward over the saved gate|up pairs x, dout in the grouped GEMM's padded row "
          "blocks (or the real rows), into dx and dprobs, with the SwiGLU value's transposed FP8 copy "
          "cast with the forward's scales into out_t (or none), and dx's own FP8 copies for the gate-up "
-         "layer (or none), in the same pass.",
-         (T, dout), (T, x), (OT, probs), (T, m_splits), (INT, row_multiple), (T, dx), (OT, dprobs),
+         "layer (or none), in the same pass; dx None: dx is not written (its FP8 copies are).",
+         (T, dout), (T, x), (OT, probs), (T, m_splits), (INT, row_multiple), (OT, dx), (OT, dprobs),
          (OT, scale), (OT, out_t), (OT, scale_inv), (OT, grad_scale), (OT, grad_amax), (OT, grad_out),
          (OT, grad_out_t), (OT, grad_scale_inv));
 SF_PY_OP(cast_fp8_grouped_ends, sf_cast_fp8_grouped_ends,

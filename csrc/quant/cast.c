@@ -539,6 +539,39 @@ static sf_status check_backward_dense(const char *op, const char *arg, const sf_
     return SF_OK;
 }
 
+/* The CPU path of sf_swiglu_backward_cast_fp8_grouped: the reference ops group by group. */
+static sf_status swiglu_backward_cpu(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
+                                     const int64_t *splits, int64_t G, int row_multiple, int dout_padded,
+                                     sf_tensor *dx, sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,
+                                     sf_tensor *scale_inv, sf_tensor *grad_scale, sf_tensor *grad_amax,
+                                     sf_tensor *grad_out, sf_tensor *grad_out_t, sf_tensor *grad_scale_inv,
+                                     const sf_tensor *m_splits, sf_stream stream)
+{
+    int64_t r = 0, p = 0;
+    for (int64_t g = 0; g < G; ++g) {
+        const int64_t mg = splits[g];
+        if (mg) {
+            sf_tensor dout_g = row_view(dout, dout_padded ? p : r, mg), x_g = row_view(x, r, mg);
+            sf_tensor dx_g = row_view(dx, r, mg), probs_g, dprobs_g;
+            if (probs)
+                probs_g = row_view(probs, r, mg);
+            if (dprobs)
+                dprobs_g = row_view(dprobs, r, mg);
+            SF_TRY(sf_moe_swiglu_backward(&dout_g, &x_g, probs ? &probs_g : NULL, &dx_g,
+                                          dprobs ? &dprobs_g : NULL, stream));
+        }
+        r += mg;
+        p += padded_rows(mg, row_multiple);
+    }
+    if (out_t)
+        SF_TRY(sf_swiglu_cast_fp8_grouped(x, probs, m_splits, row_multiple, scale, NULL, NULL, out_t, scale_inv,
+                                          0, 0, stream));
+    if (grad_scale)
+        SF_TRY(sf_cast_fp8_grouped(dx, m_splits, row_multiple, grad_scale, grad_amax, grad_out, grad_out_t,
+                                   grad_scale_inv, 0, 0, stream));
+    return SF_OK;
+}
+
 sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_tensor *x, const sf_tensor *probs,
                                               const sf_tensor *m_splits, int row_multiple, sf_tensor *dx,
                                               sf_tensor *dprobs, sf_tensor *scale, sf_tensor *out_t,
@@ -551,7 +584,8 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
     SF_TRY(check_grouped_rows(op, x, 1, probs, &m, &k));
     SF_TRY(check_splits(op, m_splits, m, row_multiple, &G, &padded));
     SF_TRY(check_backward_dense(op, "dout", dout, m, padded, k, x, 0));
-    SF_TRY(check_backward_dense(op, "dx", dx, m, 0, 2 * k, x, 1));
+    if (dx)
+        SF_TRY(check_backward_dense(op, "dx", dx, m, 0, 2 * k, x, 1));
     if (dprobs) {
         if (!probs)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'dprobs' goes with 'probs'", op);
@@ -613,29 +647,28 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
     const int dout_padded = dout->shape[0] != m;
     const int64_t *splits = (const int64_t *)m_splits->data;
     if (x->device == SF_CPU) {
-        int64_t r = 0, p = 0;
-        for (int64_t g = 0; g < G; ++g) {
-            const int64_t mg = splits[g];
-            if (mg) {
-                sf_tensor dout_g = row_view(dout, dout_padded ? p : r, mg), x_g = row_view(x, r, mg);
-                sf_tensor dx_g = row_view(dx, r, mg), probs_g, dprobs_g;
-                if (probs)
-                    probs_g = row_view(probs, r, mg);
-                if (dprobs)
-                    dprobs_g = row_view(dprobs, r, mg);
-                SF_TRY(sf_moe_swiglu_backward(&dout_g, &x_g, probs ? &probs_g : NULL, &dx_g,
-                                              dprobs ? &dprobs_g : NULL, stream));
-            }
-            r += mg;
-            p += padded_rows(mg, row_multiple);
+        /* dx not wanted: the reference ops write it into a scratch buffer, which its FP8 copies read */
+        sf_tensor scratch;
+        void *block = NULL;
+        if (!dx) {
+            block = malloc((size_t)(m * 2 * k) * sf_dtype_size(x->dtype) + 1);
+            if (!block)
+                return sf_fail(SF_ERR_RUNTIME, "%s: out of host memory for dx's scratch (%lld x %lld)", op,
+                               (long long)m, (long long)(2 * k));
+            scratch = *x;
+            scratch.data = block;
+            scratch.shape[0] = m;
+            scratch.shape[1] = 2 * k;
+            scratch.strides[0] = 2 * k;
+            scratch.strides[1] = 1;
+            scratch.readonly = 0;
+            dx = &scratch;
         }
-        if (out_t)
-            SF_TRY(sf_swiglu_cast_fp8_grouped(x, probs, m_splits, row_multiple, scale, NULL, NULL, out_t, scale_inv,
-                                              0, 0, stream));
-        if (grad)
-            SF_TRY(sf_cast_fp8_grouped(dx, m_splits, row_multiple, grad_scale, grad_amax, grad_out, grad_out_t,
-                                       grad_scale_inv, 0, 0, stream));
-        return SF_OK;
+        sf_status st = swiglu_backward_cpu(dout, x, probs, splits, G, row_multiple, dout_padded, dx, dprobs, scale,
+                                           out_t, scale_inv, grad ? grad_scale : NULL, grad_amax, grad_out,
+                                           grad_out_t, grad_scale_inv, m_splits, stream);
+        free(block);
+        return st;
     }
     int64_t *mp = (int64_t *)malloc((size_t)G * sizeof(int64_t));
     if (!mp)
@@ -645,7 +678,7 @@ sf_status sf_swiglu_backward_cast_fp8_grouped(const sf_tensor *dout, const sf_te
     sf_swiglu_backward_grouped_args b = {
         .dtype = x->dtype, .k = k, .groups = G, .m = splits, .mp = mp, .x = x->data, .dout = dout->data,
         .dout_padded = dout_padded, .probs = probs ? probs->data : NULL,
-        .probs_dtype = probs ? probs->dtype : SF_FLOAT32, .dx = dx->data,
+        .probs_dtype = probs ? probs->dtype : SF_FLOAT32, .dx = dx ? dx->data : NULL,
         .dprobs = dprobs ? dprobs->data : NULL, .dprobs_dtype = dprobs ? dprobs->dtype : SF_FLOAT32,
         .out_t = out_t ? (uint8_t *)out_t->data : NULL, .ld_t = padded, .cast = out_t ? &a : NULL,
         .grad = grad ? &ga : NULL, .grad_out = grad_out ? (uint8_t *)grad_out->data : NULL,

@@ -848,7 +848,7 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * copy (sf_swiglu_backward_cast_fp8_grouped).  Every CTA takes one 128-row
  * block of one group and walks its K columns 128 at a time: for each tile
  * it loads the gate, up and dout values of its rows once, writes dx (the
- * gate and up gradients) row-wise, parks the FP8 bytes of the SwiGLU value
+ * gate and up gradients) row-wise (unless dx is NULL), parks the FP8 bytes of the SwiGLU value
  * (swiglu_value, cast with the group's scale) in the swizzled tile and
  * writes them transposed as cast_transpose does.  GRAD: dx rounded to T is
  * also cast with the gate-up layer's gradient scale, row-wise into its
@@ -929,7 +929,7 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
     uint32_t local_max = 0;
     const T *x = static_cast<const T *>(pt.x) + tab.row[i] * 2 * k;
     const T *dout = static_cast<const T *>(pt.dout) + tab.drow[i] * k;
-    T *dx = static_cast<T *>(pt.dx) + tab.row[i] * 2 * k;
+    T *dx = pt.dx ? static_cast<T *>(pt.dx) + tab.row[i] * 2 * k : nullptr; /* (NULL: its FP8 copies alone) */
     uint8_t *out_t = CAST ? pt.out_t + tab.col[i] : nullptr;
     const int t = threadIdx.x, lj = t & 15, lr = t >> 4;
     const int warp = t >> 5, lane = t & 31, kw = warp * 4 + (lane >> 3), mg = lane & 7;
@@ -979,8 +979,10 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
                         if constexpr (CAST)
                             (h ? w.y : w.x) = sf_cvt4<E5M2>(sv);
                     }
-                    sf_vec::store_f<T, 8>(dx + r * 2 * k + kc, dg);
-                    sf_vec::store_f<T, 8>(dx + r * 2 * k + k + kc, du);
+                    if (dx) {
+                        sf_vec::store_f<T, 8>(dx + r * 2 * k + kc, dg);
+                        sf_vec::store_f<T, 8>(dx + r * 2 * k + k + kc, du);
+                    }
                     if constexpr (GRAD) { /* dx as stored, cast with the gate-up layer's gradient scale */
 #pragma unroll
                         for (int e = 0; e < 8; ++e) {

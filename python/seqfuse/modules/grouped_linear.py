@@ -869,25 +869,10 @@ class GroupedLinear(torch.nn.Module):
             # the delayed-scaling form: the forward on the device, the backward from the counts' host copy
             if counts_wait is None:
                 counts_wait = moe_ops.counts_to_host(counts)
-            x = moe_ops.dense(x)  # (the cast reads whole rows in 16-byte vectors)
-            if x.data_ptr() % 16:
-                note_grouped("an input not 16-byte aligned is copied for the device-ends route's cast, which "
-                             "reads it in 16-byte vectors")
-                x = x.clone()
-            q = self._quantizers(recipe, x.device)
-            _note_fresh_experts(q, self.num_gemms)
-            ws = self.weights()
-            lean = not self.keep_fp8_weights and lean_weights(ws, is_first_microbatch)
-            overwrite = wgrad_overwrite(self, ws[0], is_first_microbatch)
-            # lean, with the weights in one aligned buffer and no cast kept from another mode: one cast of the
-            # stack, no caches (else weight_pairs, which reuses what is cached and casts the rest)
-            stacked = None
-            if lean and ws[0].data_ptr() % 16 == 0 and all(r.pair is None for r in q.weights):
-                stacked = _buffer_view(ws)
+            x = _ends_input(x)
+            qargs, ws = self._ends_args(recipe, x.device, is_first_microbatch, grad_link)
             y = DeviceEndsFp8GroupedLinearFunction.apply(x, probs, offsets, counts_wait, torch.bfloat16,
-                                                         self.num_gemms,
-                                                         (q, is_first_microbatch, overwrite, lean, stacked, grad_link),
-                                                         *ws)
+                                                         self.num_gemms, qargs, *ws)
         else:
             if recipe is not None:
                 # the weights' FP8 operands carry what the products read (where no transposed copy is kept,
@@ -899,6 +884,34 @@ class GroupedLinear(torch.nn.Module):
         if inp.dim() != 2:
             y = y.view(*inp.shape[:-1], self.out_features)
         return (y, self.biases()) if self.return_bias else y
+
+
+    def _ends_args(self, recipe, device, is_first_microbatch, grad_link):
+        """(qargs, weights): DeviceEndsFp8GroupedLinearFunction's arguments
+        past the counts for this layer under delayed scaling ``recipe``
+        (GroupedMLP's one-node form passes two layers' to
+        DeviceEndsFp8GroupedMLPFunction)."""
+        q = self._quantizers(recipe, device)
+        _note_fresh_experts(q, self.num_gemms)
+        ws = self.weights()
+        lean = not self.keep_fp8_weights and lean_weights(ws, is_first_microbatch)
+        overwrite = wgrad_overwrite(self, ws[0], is_first_microbatch)
+        # lean, with the weights in one aligned buffer and no cast kept from another mode: one cast of the
+        # stack, no caches (else weight_pairs, which reuses what is cached and casts the rest)
+        stacked = None
+        if lean and ws[0].data_ptr() % 16 == 0 and all(r.pair is None for r in q.weights):
+            stacked = _buffer_view(ws)
+        return (q, is_first_microbatch, overwrite, lean, stacked, grad_link), ws
+
+
+def _ends_input(x):
+    """x as the device-ends route's input cast reads it: dense and 16-byte aligned (else copied, logged)."""
+    x = moe_ops.dense(x)  # (the cast reads whole rows in 16-byte vectors)
+    if x.data_ptr() % 16:
+        note_grouped("an input not 16-byte aligned is copied for the device-ends route's cast, which "
+                     "reads it in 16-byte vectors")
+        x = x.clone()
+    return x
 
 
 def _note_fresh_experts(q, G):
@@ -1237,14 +1250,19 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     returns the Function's gradients."""
     G, q, dtype = ctx.G, ctx.q, ctx.dtype
     kind = q.kind
+    device = ctx.weights[0].device
     need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
     need_dw = any(ctx.needs_input_grad[_FP8_ARGS:_FP8_ARGS + G])
     need_db = ctx.bias_dtypes is not None and any(ctx.needs_input_grad[_FP8_ARGS + G:])
     weights = ctx.weights
-    dy = moe_ops.dense(dy)
     # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
     # which the per-expert casts sum in their own pass)
     gg = link_in.take(dy, padded, need_dx, need_dw) if link_in is not None and not need_db else None
+    if dy is None and gg is None:  # (DeviceEndsFp8GroupedMLPFunction hands over dy's FP8 copies alone)
+        raise RuntimeError("GroupedLinear: the gate-up layer's backward got neither its output gradient nor "
+                           "its FP8 copies (an internal error of GroupedMLP's one-node backward)")
+    if gg is None:
+        dy = moe_ops.dense(dy)
     if gg is None and not need_db:
         gg = quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx, transpose=need_dw)
     if gg is not None:
@@ -1254,16 +1272,19 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
                                                need_dx, need_dw)
     dx = dprobs = None
     if need_dx:
-        out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=dy.device)
+        out = torch.empty((sum(padded), ctx.K), dtype=dtype, device=device)
         dgrad = _grouped(g_row, w_dg, padded, out)
         del out
         unfused = _swiglu_unfused(dgrad, h) if ctx.swiglu else None
         if ctx.swiglu and unfused is None:
             cast = swiglu_cast if need_dw else None
             grad_kw = link_out.producer_args(splits) if link_out is not None else {}
+            # dx itself where someone reads it: not in GroupedMLP's one-node form, whose gate-up layer takes
+            # its FP8 copies (made here) alone, nor where only dprobs is wanted
+            want_dx = ctx.needs_input_grad[0] and not (grad_kw and link_out.fused)
             dx, dprobs, data_t, si, g = moe_ops.swiglu_backward_cast_fp8_grouped(
                 dgrad, h, probs, splits, cast[1] if cast else None, scale=cast[0] if cast else None,
-                need_dprobs=ctx.needs_input_grad[1], **grad_kw)
+                need_dprobs=ctx.needs_input_grad[1], want_dx=want_dx, **grad_kw)
             if data_t is not None:
                 x_col = _Columns(GroupedFloat8(None, data_t, si, padded))
             if g is not None:
@@ -1275,6 +1296,8 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
         else:
             dx = _unpad(dgrad, splits, padded)
         del dgrad  # (before the weight gradient's product)
+        if not ctx.needs_input_grad[0]:
+            dx = None
     dws = [None] * G
     if need_dw:
         if callable(x_col):
@@ -1360,11 +1383,14 @@ class GradHandoff:
     logged).  The cast's amaxes go to a scratch vector, folded into the
     state's slots when the copies are taken: a gradient cast again folds
     only its own."""
-    __slots__ = ("q", "rowwise", "transpose", "stash", "amax_slots", "scratch")
+    __slots__ = ("q", "rowwise", "transpose", "stash", "amax_slots", "scratch", "fused")
 
-    def __init__(self):
+    def __init__(self, fused=False):
         self.q = self.stash = self.amax_slots = self.scratch = None
         self.rowwise = self.transpose = False
+        # fused: both layers' backward run in one node (DeviceEndsFp8GroupedMLPFunction), which passes the
+        # gate-up layer nothing else: the down projection's pass writes the copies and not dx itself
+        self.fused = bool(fused)
 
     def expect(self, q, *, rowwise, transpose):
         self.q, self.rowwise, self.transpose = q, rowwise, transpose
@@ -1378,18 +1404,29 @@ class GradHandoff:
         if slots is None:
             return {}
         self.amax_slots = slots[1]
-        self.scratch = torch.zeros(len(splits), dtype=torch.float32, device=slots[1].device)
-        return dict(grad_fp8_dtype=slots[2], grad_scale=slots[0], grad_amax=self.scratch,
+        # (the one-node form's copies are always taken: their amaxes go to the state's slots at once)
+        self.scratch = None if self.fused else torch.zeros(len(splits), dtype=torch.float32, device=slots[1].device)
+        return dict(grad_fp8_dtype=slots[2], grad_scale=slots[0],
+                    grad_amax=self.amax_slots if self.fused else self.scratch,
                     grad_rowwise=self.rowwise, grad_transpose=self.transpose)
 
     def put(self, dx, gq):
         """The copies ``gq`` of ``dx`` (their amaxes in producer_args' scratch), kept until the gate-up
         layer's backward takes them or, where this backward pass does not reach it, its end."""
-        self.stash = (dx, dx._version, gq)
-        torch.autograd.Variable._execution_engine.queue_callback(self._drop)
+        self.stash = (dx, None if dx is None else dx._version, gq)
+        if not self.fused:  # (the one node takes them within its own backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._drop)
 
     def _drop(self):
         self.stash = None
+
+    def _fold(self):
+        """The copies' amaxes into the state's slots, as the cast folds them (fp8.h's sf_amax_fold: the
+        larger bits, compared signed); the one-node form's were folded by the cast."""
+        if self.scratch is None:
+            return
+        bits = self.amax_slots.view(torch.int32)
+        bits.copy_(torch.maximum(bits, self.scratch.view(torch.int32)))
 
     def take(self, dy, padded, rowwise, transpose):
         """The stashed GroupedFloat8 where ``dy`` is the dx it was made of
@@ -1398,12 +1435,14 @@ class GradHandoff:
         if st is None:
             return None
         dx, version, gq = st
-        if (dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape and dy.dtype == dx.dtype
-                and dy._version == version and tuple(gq.padded) == tuple(padded)
-                and (gq.data is not None or not rowwise) and (gq.data_t is not None or not transpose)):
-            # folded as the cast folds (fp8.h's sf_amax_fold: the larger bits, compared signed)
-            bits = self.amax_slots.view(torch.int32)
-            bits.copy_(torch.maximum(bits, self.scratch.view(torch.int32)))
+        holds = (tuple(gq.padded) == tuple(padded) and (gq.data is not None or not rowwise)
+                 and (gq.data_t is not None or not transpose))
+        if dx is None and dy is None and holds:  # (the one-node form: dx was never written, only cast)
+            self._fold()
+            return gq
+        if (dx is not None and dy is not None and dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape
+                and dy.dtype == dx.dtype and dy._version == version and holds):
+            self._fold()
             return gq
         note_grouped("the gate-up layer's output gradient is not the tensor the down projection's backward "
                      "cast (accumulated with another gradient, changed in place, or other copies wanted): "
@@ -1545,3 +1584,83 @@ class DeviceEndsFp8GroupedLinearFunction(torch.autograd.Function):
         swiglu_cast = (scale_used, fp8_dtype) if ctx.has_probs and scale_used is not None else None
         return _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h, probs, swiglu_cast, ctx.link_out,
                                      ctx.link_in)
+
+
+def device_ends_mlp(fc1, fc2, x, probs, offsets, counts_wait, is_first_microbatch=None):
+    """GroupedMLP's experts on the device-ends route under FP8 delayed
+    scaling, as one autograd node (DeviceEndsFp8GroupedMLPFunction): the
+    down projection ``fc2`` of the scaled SwiGLU (row scales ``probs``) of
+    the gate-up layer ``fc1``'s output for the expert-sorted rows ``x``;
+    ``offsets`` / ``counts_wait``: the routing counts' device_split_offsets
+    and moe_ops.counts_to_host (both layers share them).  The caller has
+    asked device_split_refusal of both layers and found no module hooks on
+    them (the node does not call them as modules)."""
+    link = GradHandoff(fused=True)
+    recipe = _q.get_recipe()
+    x = _ends_input(gemm_rows(x))
+    q1, w1 = fc1._ends_args(recipe, x.device, is_first_microbatch, link)
+    q2, w2 = fc2._ends_args(recipe, x.device, is_first_microbatch, link)
+    return DeviceEndsFp8GroupedMLPFunction.apply(x, probs.contiguous(), offsets, counts_wait, fc1.num_gemms, q1, q2,
+                                                 *w1, *w2)
+
+
+class _LayerCtx:
+    """One layer's autograd context inside a node that runs two layers
+    (DeviceEndsFp8GroupedMLPFunction): what a layer Function's forward and
+    backward read of ctx (needs_input_grad, save_for_backward,
+    saved_tensors, their own attributes).  The tensors a layer saves go
+    through the node's own ctx.save_for_backward (saved-tensor hooks,
+    version checks and frees as for any node): ``saved`` holds them only
+    between the layer's forward and the node's save."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = tuple(needs_input_grad)
+        self.saved = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved = tensors
+
+
+class DeviceEndsFp8GroupedMLPFunction(torch.autograd.Function):
+    """GroupedMLP's two device-ends layers under FP8 delayed scaling as one
+    autograd node: forward(x [M, H] expert-sorted rows, probs [M] (the
+    down projection's SwiGLU row scales), offsets, counts_wait, G, qargs1,
+    qargs2, *weights1, *weights2) runs DeviceEndsFp8GroupedLinearFunction's
+    forward for the gate-up layer, then for the down projection over its
+    gate|up output h; the backward runs the down projection's backward,
+    whose SwiGLU pass casts the gate-up layer's output gradient into the
+    FP8 copies that layer's backward reads (qargs' GradHandoff, fused), and
+    then the gate-up layer's backward with them.  h's gradient itself is
+    never written in bfloat16 (2 x M x F values a layer): no other consumer
+    of h exists inside the node.  The answers are the two Functions' bit for
+    bit."""
+
+    @staticmethod
+    def forward(ctx, x, probs, offsets, counts_wait, G, qargs1, qargs2, *weights):
+        nig = ctx.needs_input_grad
+        off = 7  # (the weights' place in both Functions' and this node's arguments)
+        w1, w2 = weights[:G], weights[G:]
+        c1 = _LayerCtx((nig[0], False) + (False,) * (_FP8_ARGS - 2) + tuple(nig[off:off + G]))
+        h = DeviceEndsFp8GroupedLinearFunction.forward(c1, x, None, offsets, counts_wait, torch.bfloat16, G,
+                                                       qargs1, *w1)
+        c2 = _LayerCtx((any(c1.needs_input_grad), nig[1]) + (False,) * (_FP8_ARGS - 2) + tuple(nig[off + G:]))
+        y = DeviceEndsFp8GroupedLinearFunction.forward(c2, h, probs, offsets, counts_wait, torch.bfloat16, G,
+                                                       qargs2, *w2)
+        ctx.save_for_backward(*c1.saved, *c2.saved)
+        ctx.layers, ctx.n1, ctx.G = (c1, c2), len(c1.saved), G
+        c1.saved = c2.saved = ()
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        c1, c2 = ctx.layers
+        saved = ctx.saved_tensors
+        c1.saved_tensors, c2.saved_tensors = saved[:ctx.n1], saved[ctx.n1:]
+        G = ctx.G
+        g2 = DeviceEndsFp8GroupedLinearFunction.backward(c2, dy)
+        c2.saved_tensors = None
+        g1 = (None,) * (_FP8_ARGS + G)
+        if any(c1.needs_input_grad):
+            g1 = DeviceEndsFp8GroupedLinearFunction.backward(c1, g2[0])
+        c1.saved_tensors = None
+        return (g1[0], g2[1], None, None, None, None, None, *g1[_FP8_ARGS:], *g2[_FP8_ARGS:])

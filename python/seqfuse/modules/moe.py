@@ -76,7 +76,7 @@ from ..common.recipe import DelayedScaling
 from ..ops import moe as moe_ops
 from ._base import default_device, init_weight
 from ._input import check_input
-from .grouped_linear import ACTIVE_RECIPE, GradHandoff, GroupedLinear
+from .grouped_linear import ACTIVE_RECIPE, GradHandoff, GroupedLinear, device_ends_mlp
 
 __all__ = ["GroupedMLP", "RoutedExperts"]
 
@@ -203,6 +203,22 @@ class GroupedMLP(RoutedExperts):
             return "device_splits is off"
         return self.fc1.device_split_refusal(x, recipe) or self.fc2.device_split_refusal(x, recipe)
 
+    def _one_node_refusal(self):
+        """Why the device-ends FP8 route cannot run both expert layers as one
+        autograd node (DeviceEndsFp8GroupedMLPFunction), or None: the node
+        calls neither GroupedLinear as a module, so hooks on them (a user's,
+        FSDP2's per-module all-gathers) would not run."""
+        from torch.nn.modules import module as _module
+
+        for name in ("fc1", "fc2"):
+            fc = getattr(self, name)
+            if fc._forward_hooks or fc._forward_pre_hooks or fc._backward_hooks or fc._backward_pre_hooks:
+                return f"{name} has module hooks, which run only where it is called as a module"
+        if (_module._global_forward_hooks or _module._global_forward_pre_hooks
+                or _module._global_backward_hooks or _module._global_backward_pre_hooks):
+            return "global module hooks are registered, which run only where each layer is called as a module"
+        return None
+
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
                 f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}")
@@ -241,6 +257,16 @@ class GroupedMLP(RoutedExperts):
             # queued now, long landed by then
             delayed = _q.is_fp8_enabled() and isinstance(_q.get_recipe(), DelayedScaling)
             wait = moe_ops.counts_to_host(tokens_per_expert) if delayed else None
+            if delayed:
+                why = self._one_node_refusal()
+                if why is None:
+                    # both layers in one autograd node: the gate-up layer's output gradient exists only as
+                    # the FP8 copies its backward reads (made by the down projection's SwiGLU pass)
+                    y = device_ends_mlp(self.fc1, self.fc2, xp, pp, offsets, wait, is_first_microbatch)
+                    return moe_ops.moe_unpermute(y, row_ids).view(*lead, self.hidden_size)
+                note_once(_log, "seqfuse GroupedMLP: the experts' two layers run as two autograd nodes (the "
+                          "gate-up layer's output gradient written in bfloat16 between them, then its FP8 "
+                          "copies taken from the down projection's pass): %s", why)
             # (and the down projection's backward casts the gate-up layer's output gradient for it)
             link = GradHandoff() if delayed else None
             h = self.fc1(xp, tokens_per_expert, is_first_microbatch, m_offsets=offsets, _refusal=None,

@@ -677,7 +677,7 @@ def swiglu_cast_fp8_grouped(x, probs, m_splits, fp8_dtype, *, scale, amax=None, 
 
 def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *, scale=None, need_dprobs=True,
                                      grad_fp8_dtype=None, grad_scale=None, grad_amax=None, grad_rowwise=True,
-                                     grad_transpose=True, row_multiple=FP8_ROW_MULTIPLE):
+                                     grad_transpose=True, want_dx=True, row_multiple=FP8_ROW_MULTIPLE):
     """The SwiGLU's backward in a grouped MLP's FP8 down projection, with
     that projection's weight-gradient operand, in one pass over the saved
     gate|up pairs.
@@ -700,7 +700,9 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
     ``grad`` = (data [Mp, 2K] or None, data_t [2K, Mp] or None, scale_inv)
     as ``cast_fp8_grouped(dx, m_splits, grad_fp8_dtype, scale=grad_scale,
     amax=grad_amax, rowwise=grad_rowwise, transpose=grad_transpose)``
-    makes them, bit for bit (else None)."""
+    makes them, bit for bit (else None).  ``want_dx`` False: dx is not
+    written (None in its place), for a caller that reads its FP8 copies or
+    dprobs alone (GroupedMLP's one-node backward)."""
     op = "swiglu_backward_cast_fp8_grouped"
     x = _tensor(op, "x", x)
     dout = _tensor(op, "dout", dout)
@@ -712,7 +714,9 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
     splits = host_splits(op, m_splits)
     if isinstance(row_multiple, bool) or not isinstance(row_multiple, int):
         raise TypeError(f"{op}: argument 'row_multiple' must be an int, got {type(row_multiple).__name__}")
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if not isinstance(want_dx, bool):
+        raise TypeError(f"{op}: argument 'want_dx' must be a bool, got {type(want_dx).__name__}")
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if want_dx else None
     dprobs = torch.empty_like(probs) if probs is not None and need_dprobs else None
     data_t = scale_inv = None
     mp = sum(padded_splits(splits, row_multiple)) if row_multiple > 0 else 0
