@@ -414,7 +414,8 @@ def children_section(events, steps, ranges=3, depth=6, share=0.02):
 def profile_steps(step, batches, sync, path, title, cuda=True, top=25, stacks=False):
     """Run ``step(b)`` for each batch under torch.profiler; write the summary
     to ``path`` and return its numbers.  The trace lives in a temporary
-    directory only.  ``stacks``: record Python frames too (their times go
+    directory only, unless the environment sets SEQFUSE_PROFILE_TRACE (then
+    it is also written gzipped beside the summary, ``<stem>_trace.json.gz``).  ``stacks``: record Python frames too (their times go
     into children_section's trees; the profiler's own cost per frame makes
     the host times larger than an unprofiled step's)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -435,6 +436,13 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25, stacks=Fa
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             events = json.load(f).get("traceEvents", [])
+        if os.environ.get("SEQFUSE_PROFILE_TRACE"):  # (kept, gzipped, beside the summary: to read the timeline)
+            import gzip
+            import shutil
+
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(trace, "rb") as src, gzip.open(path.replace("_profile.txt", "") + "_trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
     text, nums = summarize(events, len(batches), host_ms, cpu_ms, title=title, top=top)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

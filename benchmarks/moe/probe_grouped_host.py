@@ -8,9 +8,11 @@ each MoE block's FP8 operands).  This measures that preparation alone: a
 GroupedMLP's two GroupedLinear layers (8 experts, the down projection
 taking the SwiGLU of the gate-up output with its routing weights), forward
 and backward inside a DelayedScaling autocast, once on the host-count
-route (Fp8GroupedLinearFunction) and once on the device-ends route
+route (Fp8GroupedLinearFunction), once on the device-ends route
 (DeviceEndsFp8GroupedLinearFunction, driven directly on the CPU with its
-sm90 check answered yes), with every seqfuse._C compute entry replaced by
+sm90 check answered yes, the layers' GradHandoff as GroupedMLP's two-node
+form gives it) and once as GroupedMLP's one-node form of that route
+(device_ends_mlp), with every seqfuse._C compute entry replaced by
 a function that returns at once.  What remains is what the host does
 around the kernels: Python, torch's tensor allocations and views, autograd.
 Kernel launch costs are not in it (each stubbed C call is a launch or more
@@ -18,7 +20,7 @@ on the GPU: ``c_calls`` counts them).
 
 Rows: microseconds per block step (best of --rounds rounds of --iters
 steps, the two routes interleaved), C calls per step.  ``--profile ROUTE``
-(host or ends) prints that route's cProfile by own time instead.
+(host, ends or node) prints that route's cProfile by own time instead.
 
     python benchmarks/moe/probe_grouped_host.py [--iters 200] [--profile ends]
 """
@@ -63,6 +65,7 @@ def runner(route, experts=8, hidden=32, ffn=48, tokens=256):
     weights' versions moved between steps as an optimizer moves them."""
     from seqfuse.common.recipe import DelayedScaling
     from seqfuse.modules import GroupedLinear
+    from seqfuse.modules.grouped_linear import GradHandoff, device_ends_mlp
     from seqfuse.ops import moe as moe_ops
     from seqfuse.quantization import fp8_autocast
 
@@ -86,8 +89,13 @@ def runner(route, experts=8, hidden=32, ffn=48, tokens=256):
                 if route == "ends":  # (one set of offsets and one host copy of the counts, as GroupedMLP's)
                     offsets = moe_ops.device_split_offsets(counts, x.shape[0])
                     wait = moe_ops.counts_to_host(counts)
-                    h = fc1._device_split(x, counts, offsets, None, None, wait)
-                    y = fc2._device_split(h, counts, offsets, None, probs, wait)
+                    link = GradHandoff()
+                    h = fc1._device_split(x, counts, offsets, None, None, wait, link)
+                    y = fc2._device_split(h, counts, offsets, None, probs, wait, link)
+                elif route == "node":  # GroupedMLP's one-node form of the same
+                    offsets = moe_ops.device_split_offsets(counts, x.shape[0])
+                    wait = moe_ops.counts_to_host(counts)
+                    y = device_ends_mlp(fc1, fc2, x, probs, offsets, wait)
                 else:
                     y = fc2(fc1(x, splits), splits, swiglu_probs=probs)
             y.backward(dy)
@@ -103,7 +111,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--profile", choices=("host", "ends"), default=None)
+    ap.add_argument("--profile", choices=("host", "ends", "node"), default=None)
     args = ap.parse_args(argv)
     from seqfuse.ops import moe as moe_ops
 
@@ -115,7 +123,7 @@ def main(argv=None):
 
 
 def probe(args):
-    runs = {r: runner(r) for r in ("host", "ends")}
+    runs = {r: runner(r) for r in ("host", "ends", "node")}
     if args.profile:
         import cProfile
         import pstats

@@ -62,7 +62,14 @@ cast is noted in the backward, where the counts are on the host.  In
 GroupedMLP the down projection's backward runs the SwiGLU's backward in one
 pass (ops.moe.swiglu_backward_cast_fp8_grouped) that also writes its weight
 gradient's FP8 operand and the gate-up layer's FP8 output gradient, which
-that layer's backward takes instead of casting (GradHandoff).
+that layer's backward takes instead of casting (GradHandoff).  GroupedMLP
+runs its two layers there as one autograd node
+(DeviceEndsFp8GroupedMLPFunction, through device_ends_mlp): the two
+Functions' forward and backward bodies in turn, so the gate-up layer's
+output gradient exists only as those FP8 copies, never in bfloat16 (the
+same answers bit for bit); where either layer has module hooks, which run
+only when it is called as a module, the layers stay two nodes (logged) and
+the copies are taken only where the gradient received is the tensor cast.
 Where the route does not apply (a bias, another dtype or recipe, a HYBRID
 current-scaling format, whose E5M2 gradients torch's scaled grouped GEMM
 does not take) the counts are read to the host, logged once with the
