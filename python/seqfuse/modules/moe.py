@@ -250,7 +250,8 @@ class GroupedMLP(RoutedExperts):
             # the experts' GEMMs read the counts on the GPU: nothing in the block waits on the host
             # (every token goes to topk experts, so the permuted rows number T * topk)
             xp, pp = moe_ops.moe_permute_by_row_id_map(x, row_ids, x.shape[0] * self.topk, probs)
-            offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0])  # one set for both GEMMs
+            # one set for both GEMMs; the router's top-k gives every token topk experts: the counts add up
+            offsets = moe_ops.device_split_offsets(tokens_per_expert, xp.shape[0], routed=True)
             # the refusal asked above covers both layers (of the rows it reads only their device and
             # whether there are any, which xp and h share with x): neither layer asks again
             # under FP8 delayed scaling the backward reads the counts on the host: one copy for both layers,

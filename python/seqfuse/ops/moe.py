@@ -386,7 +386,7 @@ def grouped_gemm(a, b, m_splits, *, transa=False, transb=False, out=None, out_dt
     return out if grads is None else (out, grads)
 
 
-def device_split_offsets(counts, total, allow_fewer=False):
+def device_split_offsets(counts, total, allow_fewer=False, routed=False):
     """The end offsets of G row groups, int32 [G] on counts' device, from the
     row counts ``counts`` (an integer tensor [G] on the GPU), computed there:
     nothing waits on the host.  Whether they add up to ``total`` (the split
@@ -395,7 +395,11 @@ def device_split_offsets(counts, total, allow_fewer=False):
     checked on the device as well (torch._assert_async): a mismatch stops
     the next kernel of the stream with a device-side assertion naming
     m_splits, not a read past the operand (an assertion leaves the CUDA
-    context unusable: the host-count route raises a ValueError instead)."""
+    context unusable: the host-count route raises a ValueError instead).
+    ``routed``: the counts are moe_row_id_map's of a routing map in which
+    every token picks the same number of experts and ``total`` is that
+    number times the tokens (GroupedMLP's own router): they hold the rule by
+    construction, and the checks' four kernels are left out."""
     op = "grouped_gemm_device"
     counts = _tensor(op, "m_splits", counts)
     if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
@@ -407,6 +411,8 @@ def device_split_offsets(counts, total, allow_fewer=False):
         raise ValueError(f"{op}: the split operand has {total} rows; the device-split route takes fewer "
                          "than 2**31 (int32 offsets)")
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    if routed:
+        return offsets
     torch._assert_async((counts >= 0).all(), f"{op}: argument 'm_splits' must hold row counts >= 0 (checked on "
                         "the device)")
     if allow_fewer:
