@@ -415,9 +415,11 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25, stacks=Fa
     """Run ``step(b)`` for each batch under torch.profiler; write the summary
     to ``path`` and return its numbers.  The trace lives in a temporary
     directory only, unless the environment sets SEQFUSE_PROFILE_TRACE (then
-    it is also written gzipped beside the summary, ``<stem>_trace.json.gz``).  ``stacks``: record Python frames too (their times go
-    into children_section's trees; the profiler's own cost per frame makes
-    the host times larger than an unprofiled step's)."""
+    it is also written gzipped beside the summary, ``<stem>_trace.json.gz``;
+    to read where the GPU waits on the timeline).  ``stacks``: record Python
+    frames too (their times go into children_section's trees; the
+    profiler's own cost per frame makes the host times larger than an
+    unprofiled step's)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -441,7 +443,8 @@ def profile_steps(step, batches, sync, path, title, cuda=True, top=25, stacks=Fa
             import shutil
 
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(trace, "rb") as src, gzip.open(path.replace("_profile.txt", "") + "_trace.json.gz", "wb") as dst:
+            stem = path[:-len("_profile.txt")] if path.endswith("_profile.txt") else os.path.splitext(path)[0]
+            with open(trace, "rb") as src, gzip.open(stem + "_trace.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
     text, nums = summarize(events, len(batches), host_ms, cpu_ms, title=title, top=top)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

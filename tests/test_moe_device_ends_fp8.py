@@ -14,6 +14,7 @@ stubbed out; on CUDA a GroupedMLP takes the route by itself and is held to
 the host-count GroupedMLP over training steps, and its forward waits on
 nothing the GPU computes."""
 import copy
+import itertools
 import logging
 
 import pytest
@@ -439,9 +440,7 @@ def test_grad_handoff_equals_the_gate_up_layers_own_cast(accumulate, monkeypatch
     assert taken_again == accumulate, caplog.text
 
 
-@pytest.mark.parametrize("x_grad,p_grad,w1_grad,w2_grad", [
-    (True, True, True, True), (False, True, True, True), (True, False, False, True), (False, False, True, False),
-    (False, True, False, False), (True, True, False, True)])
+@pytest.mark.parametrize("x_grad,p_grad,w1_grad,w2_grad", list(itertools.product([True, False], repeat=4)))
 def test_one_node_mlp_equals_two_layers(x_grad, p_grad, w1_grad, w2_grad, monkeypatch, seed):
     """GroupedMLP's one-node form (device_ends_mlp): the gate-up layer's
     output gradient is never written in bfloat16 (the down projection's
@@ -489,7 +488,8 @@ def test_one_node_mlp_equals_two_layers(x_grad, p_grad, w1_grad, w2_grad, monkey
                 wait = moe_ops.counts_to_host(counts)
                 if i == 0:
                     y = gl_module.device_ends_mlp(fc1, fc2, xi, pi, offsets, wait)
-                    assert y.grad_fn.name().startswith("DeviceEndsFp8GroupedMLPFunction")
+                    assert y.grad_fn is None if not (x_grad or p_grad or w1_grad or w2_grad) else \
+                        y.grad_fn.name().startswith("DeviceEndsFp8GroupedMLPFunction")
                 else:
                     h = fc1._device_split(xi, counts, offsets, None, None, wait)
                     y = fc2._device_split(h, counts, offsets, None, pi, wait)
@@ -502,7 +502,14 @@ def test_one_node_mlp_equals_two_layers(x_grad, p_grad, w1_grad, w2_grad, monkey
                 (y.float() * dy.float()).sum().backward()
             if i == 0:  # the one node: the gate-up layer's gradient only as the pass's FP8 copies
                 assert ("grad", 96) not in grad_casts, (step, grad_casts)
-                assert dx_wanted == ([False] if y.requires_grad else []), (step, dx_wanted)
+                # (the pass runs where x, probs or fc1 want a gradient: fc2's weights alone need none of it)
+                runs_pass = x_grad or p_grad or w1_grad
+                assert dx_wanted == ([False] if runs_pass else []), (step, dx_wanted)
+                if y.requires_grad:
+                    with pytest.raises(RuntimeError):  # (not differentiable again)
+                        torch.autograd.grad((y.float() * dy.float()).sum(), [t for t in (xi, pi) if t.requires_grad]
+                                            + [p for p in (*fc1.parameters(), *fc2.parameters()) if p.requires_grad],
+                                            create_graph=True)[0].sum().backward()
             results.append([y, xi.grad, pi.grad] + [p.grad for p in fc1.parameters()] +
                            [p.grad for p in fc2.parameters()])
         for j, (a, b) in enumerate(zip(*results)):
@@ -514,12 +521,15 @@ def test_one_node_mlp_equals_two_layers(x_grad, p_grad, w1_grad, w2_grad, monkey
                     _same(a, b, ("state", step))
 
 
-def test_grouped_mlp_names_why_its_layers_run_as_two_nodes(monkeypatch):
+def test_grouped_mlp_names_why_its_layers_run_as_two_nodes():
     mlp = GroupedMLP(32, 48, 4, 2, params_dtype=torch.bfloat16, device="cpu")
     assert mlp._one_node_refusal() is None
     handle = mlp.fc1.register_forward_hook(lambda *a: None)
     assert "fc1 has module hooks" in mlp._one_node_refusal()
     handle.remove()
+    mlp.fc2.forward = lambda *a, **k: None  # (what Hugging Face accelerate's add_hook_to_module does)
+    assert "fc2's forward is replaced" in mlp._one_node_refusal()
+    del mlp.fc2.forward
     handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
     try:
         assert "global module hooks" in mlp._one_node_refusal()
@@ -537,3 +547,24 @@ def test_swiglu_backward_names_why_it_runs_unfused():
     why = gl_module._swiglu_unfused(torch.zeros(4, 16), h)
     assert "torch.float32" in why and "torch.bfloat16" in why
 
+
+
+def test_routed_offsets_skip_the_device_checks(monkeypatch):
+    """device_split_offsets(routed=True) (GroupedMLP's own router counts) gives the same offsets without the
+    device-side assertions; a non-bool ``routed`` is refused."""
+    counts = torch.tensor([3, 0, 5, 8])
+    asserts = []
+    real = torch._assert_async
+    monkeypatch.setattr(torch, "_assert_async", lambda *a: asserts.append(1) or real(*a))
+    checked = moe_ops.device_split_offsets(counts, 16)
+    assert len(asserts) == 2
+    asserts.clear()
+    assert torch.equal(moe_ops.device_split_offsets(counts, 16, routed=True), checked) and not asserts
+    with pytest.raises(TypeError, match="argument 'routed' must be a bool"):
+        moe_ops.device_split_offsets(counts, 16, routed=1)
+
+
+def test_device_ends_mlp_refuses_layers_that_do_not_pair():
+    fc1, fc2 = _mlp_pairs()[0]
+    with pytest.raises(ValueError, match="fc1.out_features == 2 x fc2.in_features"):
+        gl_module.device_ends_mlp(fc2, fc2, torch.zeros(4, 48), torch.zeros(4), None, None)

@@ -116,12 +116,13 @@ def test_need_dprobs_false_gives_none(seed):
     assert torch.equal(dx, moe_ops.swiglu_backward(dout, x, probs)[0])
 
 
-def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale, grad=None):
+def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale, grad=None, want_dx=True):
     """The C entry with every output poisoned first (NaN / 0xFF bytes);
-    ``grad``: (fp8 dtype, scale, amax) of dx's casts."""
+    ``grad``: (fp8 dtype, scale, amax) of dx's casts; ``want_dx`` False:
+    no dx passed (None returned in its place)."""
     m, k = x.shape[0], x.shape[1] // 2
     mp = sum(moe_ops.padded_splits(splits))
-    dx = torch.full_like(x, float("nan"))
+    dx = torch.full_like(x, float("nan")) if want_dx else None
     dprobs = None if probs is None else torch.full_like(probs, float("nan"))
     data_t = si = None
     if fp8_dtype is not None:
@@ -138,7 +139,7 @@ def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale, grad=None):
     _C.swiglu_backward_cast_fp8_grouped(dout, x, probs, torch.tensor(splits, dtype=torch.int64), 16, dx, dprobs,
                                         scale if fp8_dtype is not None else None, data_t, si,
                                         *(g_args or (None,) * 5), torch.cuda.current_stream().cuda_stream)
-    assert m == dx.shape[0]
+    assert dx is None or m == dx.shape[0]
     return dx, dprobs, data_t, si, g
 
 
@@ -172,7 +173,7 @@ def test_cuda_equals_the_unfused_cuda_ops_and_the_cpu(seed):
             grad_dtype = (E5M2, E4M3, None)[(n + padded_dout) % 3]
             copies = ((True, True), (True, False), (False, True))[(n + 2 * padded_dout) % 3]
             gs, ga = _grad_state(len(splits), gen, "cuda")
-            ga_ref = ga.clone()
+            ga_ref, ga_before = ga.clone(), ga.clone()
             got = _call_poisoned(cu(d_in), cu(x), cu(probs), splits, fp8_dtype, cu(scale),
                                  (grad_dtype, gs, ga, *copies) if grad_dtype else None)
             what = (f"splits {splits[:6]} k {k} {dtype} probs {with_probs} {fp8_dtype} padded {padded_dout} "
@@ -183,6 +184,17 @@ def test_cuda_equals_the_unfused_cuda_ops_and_the_cpu(seed):
             assert torch.equal(got[0], want[0]), what
             _same_grad(got[4], want[4], what)
             assert torch.equal(ga, ga_ref), what
+            if grad_dtype is not None:
+                # without dx (GroupedMLP's one-node backward): the same copies, dprobs and value cast, bit for bit
+                ga2 = _grad_state(len(splits), gen, "cuda")[1].copy_(ga_before)
+                alone = _call_poisoned(cu(d_in), cu(x), cu(probs), splits, fp8_dtype, cu(scale),
+                                       (grad_dtype, gs, ga2, *copies), want_dx=False)
+                assert alone[0] is None, what
+                _same_grad(alone[4], got[4], what)
+                assert torch.equal(ga2, ga), what
+                assert (alone[1] is None) == (got[1] is None) and (got[1] is None or torch.equal(alone[1], got[1]))
+                if fp8_dtype is not None:
+                    assert torch.equal(_bytes(alone[2]), _bytes(got[2])) and torch.equal(alone[3], got[3]), what
             if fp8_dtype is not None:
                 assert torch.equal(_bytes(got[2]), _bytes(want[2])), what
                 assert torch.equal(got[3], want[3]), what
@@ -227,6 +239,10 @@ def test_bad_inputs_name_their_rule():
     with pytest.raises(ValueError, match="output 'dx' shares memory with input 'x'"):
         _C.swiglu_backward_cast_fp8_grouped(dout, x, None, torch.tensor([3, 5]), 16, x, None, None, None, None,
                                             *none5, 0)
+    with pytest.raises(ValueError, match="want_dx=False with no dprobs, no fp8_dtype and no grad_fp8_dtype"):
+        op(dout, x, None, [3, 5], want_dx=False)
+    with pytest.raises(TypeError, match="argument 'want_dx' must be a bool"):
+        op(dout, x, None, [3, 5], want_dx=None)
     with pytest.raises(ValueError, match="'grad_scale'.*goes with grad_fp8_dtype|grad_fp8_dtype"):
         op(dout, x, None, [3, 5], grad_scale=torch.ones(2))
     with pytest.raises(ValueError, match="'grad_scale'"):

@@ -214,8 +214,11 @@ class GroupedMLP(RoutedExperts):
             fc = getattr(self, name)
             if fc._forward_hooks or fc._forward_pre_hooks or fc._backward_hooks or fc._backward_pre_hooks:
                 return f"{name} has module hooks, which run only where it is called as a module"
-        if (_module._global_forward_hooks or _module._global_forward_pre_hooks
-                or _module._global_backward_hooks or _module._global_backward_pre_hooks):
+            if "forward" in fc.__dict__ or type(fc).forward is not GroupedLinear.forward:
+                # (Hugging Face accelerate's add_hook_to_module replaces the instance's forward)
+                return f"{name}'s forward is replaced, which runs only where it is called as a module"
+        if any(getattr(_module, g, None) for g in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                    "_global_backward_hooks", "_global_backward_pre_hooks")):
             return "global module hooks are registered, which run only where each layer is called as a module"
         return None
 

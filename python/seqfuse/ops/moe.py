@@ -399,7 +399,11 @@ def device_split_offsets(counts, total, allow_fewer=False, routed=False):
     ``routed``: the counts are moe_row_id_map's of a routing map in which
     every token picks the same number of experts and ``total`` is that
     number times the tokens (GroupedMLP's own router): they hold the rule by
-    construction, and the checks' four kernels are left out."""
+    construction, and the checks' four kernels are left out; counts that
+    break it are then not caught here (a product would leave the rows past
+    the last offset unwritten), so pass it only for such counts."""
+    if not isinstance(routed, bool):
+        raise TypeError(f"device_split_offsets: argument 'routed' must be a bool, got {type(routed).__name__}")
     op = "grouped_gemm_device"
     counts = _tensor(op, "m_splits", counts)
     if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
@@ -722,6 +726,9 @@ def swiglu_backward_cast_fp8_grouped(dout, x, probs, m_splits, fp8_dtype=None, *
         raise TypeError(f"{op}: argument 'row_multiple' must be an int, got {type(row_multiple).__name__}")
     if not isinstance(want_dx, bool):
         raise TypeError(f"{op}: argument 'want_dx' must be a bool, got {type(want_dx).__name__}")
+    if not want_dx and fp8_dtype is None and grad_fp8_dtype is None and (probs is None or not need_dprobs):
+        raise ValueError(f"{op}: want_dx=False with no dprobs, no fp8_dtype and no grad_fp8_dtype leaves nothing "
+                         "to compute")
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if want_dx else None
     dprobs = torch.empty_like(probs) if probs is not None and need_dprobs else None
     data_t = scale_inv = None
