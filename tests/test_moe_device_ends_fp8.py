@@ -568,3 +568,39 @@ def test_device_ends_mlp_refuses_layers_that_do_not_pair():
     fc1, fc2 = _mlp_pairs()[0]
     with pytest.raises(ValueError, match="fc1.out_features == 2 x fc2.in_features"):
         gl_module.device_ends_mlp(fc2, fc2, torch.zeros(4, 48), torch.zeros(4), None, None)
+
+
+def test_one_node_under_retain_graph_and_no_grad(monkeypatch, seed):
+    """The one node under retain_graph (two backward passes over one graph: the second adds the first's
+    gradients again) and under no_grad (its output alone, no graph).  (Checkpoints: the device-ends route
+    refuses seqfuse's recompute, test_refusals_of_statistics_checkpoints_and_expert_count.)"""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    recipe = DelayedScaling()
+    fc1, fc2 = _mlp_pairs()[0]
+    M = sum(SPLITS)
+    xw = torch.randn(M, 32).bfloat16().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):  # (every expert's first casts)
+        fc2(fc1(xw, WARM), WARM, swiglu_probs=torch.rand(M)).float().sum().backward()
+    fc1.zero_grad(set_to_none=True)
+    fc2.zero_grad(set_to_none=True)
+    counts = torch.tensor(SPLITS)
+    x, probs, dy = torch.randn(M, 32).bfloat16(), torch.rand(M), torch.randn(M, 32).bfloat16()
+
+    def node(xi, pi):
+        return gl_module.device_ends_mlp(fc1, fc2, xi, pi, moe_ops.device_split_offsets(counts, M),
+                                         moe_ops.counts_to_host(counts))
+
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):
+        y = node(xi, pi)
+        with torch.no_grad():
+            y_ng = node(x, probs)
+    assert y_ng.grad_fn is None
+    _same(y_ng, y.detach(), "no_grad output")
+    loss = (y.float() * dy.float()).sum()
+    loss.backward(retain_graph=True)
+    params = [*fc1.parameters(), *fc2.parameters()]
+    first = [xi.grad.clone(), pi.grad.clone()] + [p.grad.clone() for p in params]
+    loss.backward()
+    for i, (a, b) in enumerate(zip(first, [xi.grad, pi.grad] + [p.grad for p in params])):
+        torch.testing.assert_close(b.float(), (2 * a).float(), rtol=1e-2, atol=1e-6, msg=f"retain_graph {i}")
