@@ -1390,7 +1390,11 @@ class GradHandoff:
     accumulated from elsewhere or changed in place, and it casts its own,
     logged).  The cast's amaxes go to a scratch vector, folded into the
     state's slots when the copies are taken: a gradient cast again folds
-    only its own."""
+    only its own.  ``fused`` (GroupedMLP's one-node form,
+    DeviceEndsFp8GroupedMLPFunction): the gate-up layer's backward runs
+    right after in the same node and receives no dx at all (the pass does
+    not write it), so the copies are always taken and their amaxes go to
+    the state's slots directly, with no scratch and no end-of-pass drop."""
     __slots__ = ("q", "rowwise", "transpose", "stash", "amax_slots", "scratch", "fused")
 
     def __init__(self, fused=False):
