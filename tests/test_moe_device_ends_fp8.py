@@ -604,3 +604,30 @@ def test_one_node_under_retain_graph_and_no_grad(monkeypatch, seed):
     loss.backward()
     for i, (a, b) in enumerate(zip(first, [xi.grad, pi.grad] + [p.grad for p in params])):
         torch.testing.assert_close(b.float(), (2 * a).float(), rtol=1e-2, atol=1e-6, msg=f"retain_graph {i}")
+
+
+def test_one_node_backward_names_a_lost_handoff_and_releases_it(monkeypatch, seed):
+    """Where the gate-up layer's backward would get neither its output gradient (the one node never writes it)
+    nor the FP8 copies the down projection's pass made, it raises naming the fault, not a wrong gradient; the
+    node then holds none of its layers' tensors or copies (its ``finally``)."""
+    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
+    recipe = DelayedScaling()
+    fc1, fc2 = _mlp_pairs()[0]
+    M = sum(SPLITS)
+    xw = torch.randn(M, 32).bfloat16().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):  # (every expert's first casts)
+        fc2(fc1(xw, WARM), WARM, swiglu_probs=torch.rand(M)).float().sum().backward()
+    counts = torch.tensor(SPLITS)
+    x = torch.randn(M, 32).bfloat16().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):
+        y = gl_module.device_ends_mlp(fc1, fc2, x, torch.rand(M), moe_ops.device_split_offsets(counts, M),
+                                      moe_ops.counts_to_host(counts))
+    links = []
+    real_put = gl_module.GradHandoff.put
+    monkeypatch.setattr(gl_module.GradHandoff, "put", lambda self, dx, gq: links.append(self) or
+                        real_put(self, dx, gq))
+    monkeypatch.setattr(gl_module.GradHandoff, "take", lambda self, *a: None)  # (the copies lost)
+    with pytest.raises(RuntimeError, match="got neither its output gradient nor its FP8 copies"):
+        y.float().sum().backward()
+    assert len(links) == 1 and links[0].stash is None
+    assert all(c.saved_tensors is None for c in y.grad_fn.layers)  # (the node's layer contexts: released)

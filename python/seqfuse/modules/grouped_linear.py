@@ -1266,13 +1266,13 @@ def _fp8_grouped_backward(ctx, dy, splits, padded, w_dg, x_col, h=None, probs=No
     # every expert's gradient cast in one call, else expert by expert (also for bias gradients,
     # which the per-expert casts sum in their own pass)
     gg = link_in.take(dy, padded, need_dx, need_dw) if link_in is not None and not need_db else None
-    if dy is None and gg is None:  # (DeviceEndsFp8GroupedMLPFunction hands over dy's FP8 copies alone)
-        raise RuntimeError("GroupedLinear: the gate-up layer's backward got neither its output gradient nor "
-                           "its FP8 copies (an internal error of GroupedMLP's one-node backward)")
     if gg is None:
+        if dy is None:  # (DeviceEndsFp8GroupedMLPFunction hands over dy's FP8 copies alone)
+            raise RuntimeError("GroupedLinear: the gate-up layer's backward got neither its output gradient nor "
+                               "its FP8 copies (an internal error of GroupedMLP's one-node backward)")
         dy = moe_ops.dense(dy)
-    if gg is None and not need_db:
-        gg = quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx, transpose=need_dw)
+        if not need_db:
+            gg = quantize_grouped(q, "grad", dy, splits, padded, rowwise=need_dx, transpose=need_dw)
     if gg is not None:
         g_row, g_col, dbs = gg, _Columns(gg) if need_dw else None, []
     else:
@@ -1400,8 +1400,6 @@ class GradHandoff:
     def __init__(self, fused=False):
         self.q = self.stash = self.amax_slots = self.scratch = None
         self.rowwise = self.transpose = False
-        # fused: both layers' backward run in one node (DeviceEndsFp8GroupedMLPFunction), which passes the
-        # gate-up layer nothing else: the down projection's pass writes the copies and not dx itself
         self.fused = bool(fused)
 
     def expect(self, q, *, rowwise, transpose):
@@ -1449,11 +1447,12 @@ class GradHandoff:
         dx, version, gq = st
         holds = (tuple(gq.padded) == tuple(padded) and (gq.data is not None or not rowwise)
                  and (gq.data_t is not None or not transpose))
-        if dx is None and dy is None and holds:  # (the one-node form: dx was never written, only cast)
-            self._fold()
-            return gq
-        if (dx is not None and dy is not None and dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape
-                and dy.stride() == dx.stride() and dy.dtype == dx.dtype and dy._version == version and holds):
+        if dx is None or dy is None:  # (the one-node form: dx was never written, only cast)
+            same = dx is None and dy is None
+        else:
+            same = (dy.data_ptr() == dx.data_ptr() and dy.shape == dx.shape and dy.stride() == dx.stride()
+                    and dy.dtype == dx.dtype and dy._version == version)
+        if same and holds:
             self._fold()
             return gq
         note_grouped("the gate-up layer's output gradient is not the tensor the down projection's backward "
@@ -1685,7 +1684,6 @@ class DeviceEndsFp8GroupedMLPFunction(torch.autograd.Function):
         try:
             c1.saved_tensors, c2.saved_tensors = saved[:ctx.n1], saved[ctx.n1:]
             g2 = DeviceEndsFp8GroupedLinearFunction.backward(c2, dy)
-            c2.saved_tensors = None
             g1 = (None,) * (_FP8_ARGS + G)
             if any(c1.needs_input_grad):
                 g1 = DeviceEndsFp8GroupedLinearFunction.backward(c1, g2[0])

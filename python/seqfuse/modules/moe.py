@@ -69,6 +69,7 @@ measured slower on an H200).
 import logging
 
 import torch
+from torch.nn.modules import module as _torch_module
 
 from .. import quantization as _q
 from ..common.notes import note_once
@@ -208,8 +209,6 @@ class GroupedMLP(RoutedExperts):
         autograd node (DeviceEndsFp8GroupedMLPFunction), or None: the node
         calls neither GroupedLinear as a module, so hooks on them (a user's,
         FSDP2's per-module all-gathers) would not run."""
-        from torch.nn.modules import module as _module
-
         for name in ("fc1", "fc2"):
             fc = getattr(self, name)
             if fc._forward_hooks or fc._forward_pre_hooks or fc._backward_hooks or fc._backward_pre_hooks:
@@ -217,7 +216,7 @@ class GroupedMLP(RoutedExperts):
             if "forward" in fc.__dict__ or type(fc).forward is not GroupedLinear.forward:
                 # (Hugging Face accelerate's add_hook_to_module replaces the instance's forward)
                 return f"{name}'s forward is replaced, which runs only where it is called as a module"
-        if any(getattr(_module, g, None) for g in ("_global_forward_hooks", "_global_forward_pre_hooks",
+        if any(getattr(_torch_module, g, None) for g in ("_global_forward_hooks", "_global_forward_pre_hooks",
                                                     "_global_backward_hooks", "_global_backward_pre_hooks")):
             return "global module hooks are registered, which run only where each layer is called as a module"
         return None
