@@ -6,9 +6,12 @@ recipe other than the captured one) and the CUDA precondition.  CUDA: a
 graphed Mixtral (the experts on the device-split route, bf16 and FP8
 current scaling E4M3) and a graphed Llama train as their eager copies over
 several optimizer steps on real DNA (the Llama 3 recipe's committed lambda
-phage windows); FP8 delayed scaling, whose grouped GEMMs read the routing
-counts to the host, is refused with that reason; calls of another shape run
-eagerly and say so once."""
+phage windows); under FP8 delayed scaling, whose experts' backward reads
+the routing counts on the host, the layers' attention blocks are graphed
+and the experts run eagerly (experts="graphed" refuses with that reason),
+and train as the eager model; calls of another shape run eagerly and say so
+once.  CPU: a Mixtral layer equals its attention block followed by the rest
+(the split the attention-only graphs replay), bit for bit."""
 import copy
 import logging
 from pathlib import Path
@@ -147,6 +150,54 @@ def test_check_graphable_rules(monkeypatch):
             check_graphable("M", **{**ok, **change})
 
 
+def test_graph_layers_experts_argument():
+    """``experts`` is one of three words, and "eager" needs experts."""
+    with pytest.raises(ValueError, match="argument 'experts' must be 'auto', 'graphed' or 'eager', got 'none'"):
+        mixtral().train().model.graph_layers(2, 64, experts="none")
+    with pytest.raises(ValueError, match="experts='eager' graphs the attention blocks of mixture-of-experts "
+                                         "layers; this model has none"):
+        llama().train().model.graph_layers(2, 64, experts="eager")
+
+
+def test_mixtral_layer_is_its_attention_block_then_the_rest():
+    """A Mixtral layer called whole equals its attention block (what
+    graph_layers captures where the experts cannot be) followed by
+    after_attention (what then runs eagerly), output, router logits and
+    gradients, bit for bit: the graphed form computes the same thing."""
+    from seqfuse.hf.llama import _AttentionGraphedLayer, _BshdAttentionBlock
+
+    torch.manual_seed(0)
+    m = mixtral().train()
+    layer = m.model.layers[0]
+    freqs = m.model.rotary_emb(64)
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    y, logits = layer(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
+    (y.float().square().sum() + logits.sum()).backward()
+    want = [x.grad] + [p.grad for p in layer.parameters()]
+    layer.zero_grad(set_to_none=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2, logits2 = _AttentionGraphedLayer(_BshdAttentionBlock(layer), layer)(x2, freqs)
+    (y2.float().square().sum() + logits2.sum()).backward()
+    assert torch.equal(y, y2) and torch.equal(logits, logits2)
+    for a, b in zip(want, [x2.grad] + [p.grad for p in layer.parameters()]):
+        assert torch.equal(a, b)
+
+
+def test_grouped_mlp_capture_refusal():
+    """Why a GroupedMLP cannot be captured: under DelayedScaling its
+    backward's host read, whatever else holds; otherwise the device-split
+    route's own refusal (here: the CPU)."""
+    from seqfuse.modules import GroupedMLP
+
+    moe = GroupedMLP(64, 64, 4, 2)
+    x = torch.randn(8, 64)
+    assert moe.capture_refusal(x, DelayedScaling()) == ("under DelayedScaling the experts' backward reads the "
+                                                        "routing counts on the host")
+    with te.autocast(enabled=True, recipe=DelayedScaling()):
+        assert "backward reads the routing counts" in moe.capture_refusal(x)
+    assert moe.capture_refusal(x, None) == moe.device_split_refusal(x, None) is not None
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
 def test_graph_layers_needs_cuda():
     for model in (mixtral(), llama()):
@@ -161,7 +212,7 @@ def train(model, batches, recipe):
     return train_steps(model, opt, [dict(input_ids=ids, labels=ids) for ids in batches], recipe)
 
 
-def assert_trains_as_eager(make, recipe, caplog):
+def assert_trains_as_eager(make, recipe, caplog, experts_graphed=True):
     torch.manual_seed(0)
     eager = make().cuda().to(torch.bfloat16).train()
     graphed = copy.deepcopy(eager)
@@ -172,9 +223,11 @@ def assert_trains_as_eager(make, recipe, caplog):
     casts = [m.fp8_device_weight_casts for m in experts]
     with caplog.at_level(logging.WARNING):
         lg, gg = train(graphed, batches, recipe)
-    # the graphs replayed: no eager fallback was said, and no expert layer's forward ran in Python
+    # the graphs replayed: no eager fallback was said, and (whole layers graphed) no expert layer's
+    # forward ran in Python
     assert "graphed layers not used" not in caplog.text
-    assert [m.fp8_device_weight_casts for m in experts] == casts
+    if experts_graphed:
+        assert [m.fp8_device_weight_casts for m in experts] == casts
     assert_same_training((le, ge), (lg, gg))
 
 
@@ -182,6 +235,19 @@ def assert_trains_as_eager(make, recipe, caplog):
 @pytest.mark.parametrize("recipe", [None, E4M3], ids=["bf16", "fp8_current_e4m3"])
 def test_cuda_graphed_mixtral_trains_as_eager(recipe, caplog):
     assert_trains_as_eager(mixtral, recipe, caplog)
+
+
+@pytest.mark.cuda
+def test_cuda_graphed_attention_blocks_mixtral_delayed_trains_as_eager(caplog):
+    """Under DelayedScaling the experts' backward reads the routing counts
+    on the host: graph_layers (experts="auto") captures each layer's
+    attention block, says so with the reason, and the experts run eagerly
+    between the replays; training equals the eager model's."""
+    with caplog.at_level(logging.WARNING, logger="seqfuse"):
+        assert_trains_as_eager(mixtral, DelayedScaling(), caplog, experts_graphed=False)
+    assert ("each layer's attention block is graphed and its experts run eagerly: the routing counts are read "
+            "to the host at every step, which a CUDA graph cannot hold: under DelayedScaling the experts' "
+            "backward reads the routing counts on the host") in caplog.text
 
 
 @pytest.mark.cuda
@@ -193,7 +259,7 @@ def test_cuda_graphed_llama_trains_as_eager(caplog):
 def test_cuda_graph_layers_refuses_host_reads_and_other_shapes_run_eagerly(caplog):
     model = mixtral().cuda().to(torch.bfloat16).train()
     with pytest.raises(ValueError, match="routing counts would be read to the host.*DelayedScaling"):
-        model.model.graph_layers(2, 256, fp8_recipe=DelayedScaling())
+        model.model.graph_layers(2, 256, fp8_recipe=DelayedScaling(), experts="graphed")
     with pytest.raises(ValueError, match="dropout must be 0"):
         mixtral(attention_dropout=0.1).cuda().train().model.graph_layers(2, 256)
     ref = copy.deepcopy(model)

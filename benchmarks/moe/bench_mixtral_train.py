@@ -63,6 +63,15 @@ Rows (``--rows``):
                       (the same tokens and causal windows as the packed
                       rows): what the step gives once its host work is two
                       graph launches a layer;
+  seqfusegraph_fp8_delayed_torch_adamw
+                      seqfuse_fp8_delayed_torch_adamw, its batches fed as
+                      the graphed rows', with each decoder layer's attention
+                      block (QKV with its norm, RoPE, attention, projection,
+                      residual) captured as CUDA graphs and the rest (norm,
+                      router, experts) run eagerly: under delayed scaling
+                      the experts' backward reads the routing counts on the
+                      host, so the layer cannot be captured whole
+                      (graph_layers' experts="auto", which logs it);
   seqfuse_fp8_delayed_hostsplits_torch_adamw
                       seqfuse_fp8_delayed_torch_adamw with the routing counts
                       read to the host in every MoE block, the route delayed
@@ -130,7 +139,7 @@ ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw", "seqfuse_fp8_current_e4m3_torch_adamw",
         "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw", "seqfusegraph_bf16_torch_adamw",
-        "seqfusegraph_fp8_current_e4m3_torch_adamw")
+        "seqfusegraph_fp8_current_e4m3_torch_adamw", "seqfusegraph_fp8_delayed_torch_adamw")
 DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
                 "seqfuse_fp8_block")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)

@@ -116,6 +116,28 @@ class _BshdLayer(nn.Module):
         return self.layer(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
 
 
+class _BshdAttentionBlock(_BshdLayer):
+    """A mixture-of-experts decoder layer's attention block with its
+    residual (``layer.attention_block``) on an unpadded bshd batch: what
+    graph_layers captures of a layer whose experts cannot be captured."""
+
+    def forward(self, x, freqs):
+        return self.layer.attention_block(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
+
+
+class _AttentionGraphedLayer:
+    """A decoder layer called as a graphed layer is (x, freqs): its
+    attention block replays ``attention`` (a graphed _BshdAttentionBlock),
+    the rest of the layer (``layer.after_attention``: the experts, which
+    read the routing counts on the host) runs eagerly."""
+
+    def __init__(self, attention, layer):
+        self.attention, self.layer = attention, layer
+
+    def __call__(self, x, freqs):
+        return self.layer.after_attention(self.attention(x, freqs))
+
+
 def make_layer(config, layer_number):
     """One Llama decoder layer as seqfuse's TransformerLayer: RMSNorm fused
     into QKV and FC1, SwiGLU, grouped-query causal self-attention, no biases;
@@ -165,7 +187,7 @@ class DecoderStack:
 
     _headless_ignores = ("lm_head.",)
 
-    def graph_layers(self, batch_size, seq_len, fp8_recipe=None, num_warmup_iters=3):
+    def graph_layers(self, batch_size, seq_len, fp8_recipe=None, num_warmup_iters=3, experts="auto"):
         """Capture every decoder layer's forward and backward as CUDA graphs
         for unpadded bshd batches of exactly [batch_size, seq_len] (no
         attention_mask, or one of all ones) in training mode, with FP8 under
@@ -173,13 +195,28 @@ class DecoderStack:
         replay the graphs (layer_graphs.py): run them under
         ``seqfuse.pytorch.autocast`` with the same recipe (checked).  Needs
         CUDA, no attention dropout, no activation checkpointing or context
-        parallelism, parameters on one device (not FSDP-sharded), and a
-        step with no host read: a mixture-of-experts layer whose routing
-        counts would be read to the host under this recipe (GroupedMLP's
-        device-split route refused) is a ValueError with its reason.  The
+        parallelism, and parameters on one device (not FSDP-sharded).  The
         weights stay the same Parameters: optimizer steps are seen by the
-        next replay (FP8 weight casts run inside the graphs)."""
+        next replay (FP8 weight casts run inside the graphs).
+
+        A mixture-of-experts layer (Mixtral) whose experts read the routing
+        counts on the host under this recipe, in the forward or the backward
+        (GroupedMLP.capture_refusal: DelayedScaling's device-ends route
+        reads them in the backward; the host-count route and expert
+        parallelism in the forward), cannot be captured whole.  ``experts``
+        says what then happens: "auto" (default) captures each such layer's
+        attention block with its residual and runs the rest of the layer
+        (norm, router, experts) eagerly, and the log says so with the
+        reason; "graphed" makes it a ValueError with the reason; "eager"
+        captures only the attention blocks whatever the recipe."""
         owner = type(self).__name__
+        if experts not in ("auto", "graphed", "eager"):
+            raise ValueError(f"{owner}.graph_layers: argument 'experts' must be 'auto', 'graphed' or 'eager', "
+                             f"got {experts!r}")
+        moe = [m for m in self.modules() if isinstance(m, RoutedExperts)]
+        if experts == "eager" and not moe:
+            raise ValueError(f"{owner}.graph_layers: experts='eager' graphs the attention blocks of "
+                             "mixture-of-experts layers; this model has none")
         cfg = self.config
         w = self.embed_tokens.weight
         dropout = f"attention_dropout={cfg.attention_dropout}" if cfg.attention_dropout else None
@@ -189,19 +226,26 @@ class DecoderStack:
             raise ValueError(f"{owner}.graph_layers: context parallelism is on; its layers exchange keys and "
                              "values per call, outside what the graphs hold")
         x = torch.randn(batch_size, seq_len, cfg.hidden_size, device=w.device, dtype=w.dtype, requires_grad=True)
-        for m in self.modules():
-            if not isinstance(m, RoutedExperts):
-                continue
-            why = (m.device_split_refusal(x, fp8_recipe) if isinstance(m, GroupedMLP)
-                   else f"{type(m).__name__} sizes its token exchange on the host")
-            if why is not None:
+        why = None
+        if moe and experts != "eager":
+            reasons = (m.capture_refusal(x, fp8_recipe) if isinstance(m, GroupedMLP)
+                       else f"{type(m).__name__} sizes its token exchange on the host" for m in moe)
+            why = next((r for r in reasons if r is not None), None)
+            if why is not None and experts == "graphed":
                 raise ValueError(f"{owner}.graph_layers: the experts' routing counts would be read to the host "
                                  f"at every step, which a CUDA graph cannot hold: {why}")
+            if why is not None:
+                _log.warning("%s.graph_layers: each layer's attention block is graphed and its experts run "
+                             "eagerly: the routing counts are read to the host at every step, which a CUDA "
+                             "graph cannot hold: %s", owner, why)
+        split = bool(moe) and (experts == "eager" or why is not None)
         freqs = self.rotary_emb(seq_len)
-        layers = tuple(_BshdLayer(layer) for layer in self.layers)
-        sample = tuple((x.detach().clone().requires_grad_(True), freqs) for _ in layers)
-        graphed = make_graphed_callables(layers, sample, num_warmup_iters=num_warmup_iters,
+        parts = tuple((_BshdAttentionBlock if split else _BshdLayer)(layer) for layer in self.layers)
+        sample = tuple((x.detach().clone().requires_grad_(True), freqs) for _ in parts)
+        graphed = make_graphed_callables(parts, sample, num_warmup_iters=num_warmup_iters,
                                          fp8_enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
+        if split:
+            graphed = tuple(_AttentionGraphedLayer(g, layer) for g, layer in zip(graphed, self.layers))
         self._layer_graphs.set((batch_size, seq_len), fp8_recipe, graphed)
         return self
 

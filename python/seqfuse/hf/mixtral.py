@@ -142,12 +142,24 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
         gradient-accumulation argument: under FP8, True casts the weights
         and keeps the casts, False reuses them, None casts a weight when it
         changed) goes to the attention block and to the experts."""
-        attn = self.self_attention(
-            hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
+        x = self.attention_block(
+            hidden_states, attention_mask=attention_mask, self_attn_mask_type=self_attn_mask_type,
             rotary_pos_emb=rotary_pos_emb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, qkv_format=qkv_format,
             is_first_microbatch=is_first_microbatch)
-        x = self.feed_forward(hidden_states + attn, is_first_microbatch=is_first_microbatch)
+        return self.after_attention(x, is_first_microbatch)
+
+    def attention_block(self, hidden_states, self_attn_mask_type=None, is_first_microbatch=None, **kw):
+        """hidden_states + attention(hidden_states): the layer's first half,
+        which DecoderStack.graph_layers captures alone when the experts
+        cannot be captured; ``kw`` are forward's attention arguments."""
+        return hidden_states + self.self_attention(hidden_states, attn_mask_type=self_attn_mask_type,
+                                                   is_first_microbatch=is_first_microbatch, **kw)
+
+    def after_attention(self, x, is_first_microbatch=None):
+        """The layer's second half on the attention block's output ``x``:
+        (x + moe(RMSNorm(x)), the router logits)."""
+        x = self.feed_forward(x, is_first_microbatch=is_first_microbatch)
         logits, self.mlp.router_logits = self.mlp.router_logits, None
         return x, logits
 

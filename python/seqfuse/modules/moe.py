@@ -204,6 +204,18 @@ class GroupedMLP(RoutedExperts):
             return "device_splits is off"
         return self.fc1.device_split_refusal(x, recipe) or self.fc2.device_split_refusal(x, recipe)
 
+    def capture_refusal(self, x, recipe=ACTIVE_RECIPE):
+        """Why the block's forward and backward for rows ``x`` under
+        ``recipe`` (as device_split_refusal's) cannot be captured in a CUDA
+        graph, or None: a host read of the routing counts in either.  Under
+        DelayedScaling the device-ends route's backward reads their host
+        copy; otherwise the device-split route has no host read and any
+        refusal of it means the forward reads them."""
+        active = _q.get_recipe() if recipe is ACTIVE_RECIPE and _q.is_fp8_enabled() else recipe
+        if isinstance(active, DelayedScaling):
+            return "under DelayedScaling the experts' backward reads the routing counts on the host"
+        return self.device_split_refusal(x, recipe)
+
     def _one_node_refusal(self):
         """Why the device-ends FP8 route cannot run both expert layers as one
         autograd node (DeviceEndsFp8GroupedMLPFunction), or None: the node
