@@ -176,7 +176,10 @@ def test_mixtral_layer_is_its_attention_block_then_the_rest():
     want = [x.grad] + [p.grad for p in layer.parameters()]
     layer.zero_grad(set_to_none=True)
     x2 = x.detach().clone().requires_grad_(True)
-    y2, logits2 = _AttentionGraphedLayer(_BshdAttentionBlock(layer), layer)(x2, freqs)
+    block = _BshdAttentionBlock(layer)
+    # what the capture differentiates: the attention block's parameters alone (unused ones would fail it)
+    assert {id(p) for p in block.parameters()} == {id(p) for p in layer.self_attention.parameters()}
+    y2, logits2 = _AttentionGraphedLayer(block, layer)(x2, freqs)
     (y2.float().square().sum() + logits2.sum()).backward()
     assert torch.equal(y, y2) and torch.equal(logits, logits2)
     for a, b in zip(want, [x2.grad] + [p.grad for p in layer.parameters()]):

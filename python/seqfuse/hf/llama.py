@@ -116,13 +116,21 @@ class _BshdLayer(nn.Module):
         return self.layer(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
 
 
-class _BshdAttentionBlock(_BshdLayer):
+class _BshdAttentionBlock(nn.Module):
     """A mixture-of-experts decoder layer's attention block with its
     residual (``layer.attention_block``) on an unpadded bshd batch: what
-    graph_layers captures of a layer whose experts cannot be captured."""
+    graph_layers captures of a layer whose experts cannot be captured.
+    Only the layer's ``self_attention`` is registered: the capture takes
+    the gradients of this module's parameters, which the rest of the layer
+    would add unused."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.self_attention = layer.self_attention
+        self._block = layer.attention_block  # (a bound method: the layer itself stays unregistered here)
 
     def forward(self, x, freqs):
-        return self.layer.attention_block(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
+        return self._block(x, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")
 
 
 class _AttentionGraphedLayer:
