@@ -120,3 +120,42 @@ def test_norm_module_cuda(cls, dtype, seed):
     else:
         fn = lambda x: torch_rmsnorm(x, w, 1e-5)
     compare(m, fn, torch.randn(2, 300, 4096, device="cuda").to(dtype), dtype, [w, b])
+
+
+def _residual_block(m, x, alias, use):
+    """alias + f(norm(alias)) (``use``: which outputs the loss reads: "both", "y", "alias")."""
+    if alias:
+        y, r = m(x, return_input_alias=True)
+    else:
+        y, r = m(x), x
+    f = torch.tanh(y.float()) * 0.5
+    return {"both": r.float() + f, "y": f, "alias": r.float() * 1.5}[use]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use", ["both", "y", "alias"])
+def test_norm_input_alias_adds_the_residual_gradient_in_its_pass(device, cls, dtype, use, seed):
+    """return_input_alias: the alias holds the input's values, and the
+    gradients (input, weight, bias) of a pre-norm residual block through it
+    equal the plain form's, where autograd adds the residual's gradient;
+    also when only the output or only the alias reaches the loss."""
+    m = getattr(te, cls)(256, device=device)
+    with torch.no_grad():
+        m.weight.normal_(1.0, 0.2)
+    x = torch.randn(3, 40, 256, device=device).to(dtype)
+    grads = []
+    for alias in (False, True):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out = _residual_block(m, xi, alias, use)
+        out.backward(torch.ones_like(out))
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    y, r = m(x, return_input_alias=True)
+    assert torch.equal(r, x) and torch.equal(y, m(x))
+    for a, b in zip(*grads):
+        if a is None or b is None:
+            assert a is None and b is None
+        else:  # (the fused pass adds in float32 before rounding once: within one rounding of dtype)
+            assert_close_rel(b, a, dtype)

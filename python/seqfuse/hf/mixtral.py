@@ -152,9 +152,12 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
     def attention_block(self, hidden_states, self_attn_mask_type=None, is_first_microbatch=None, **kw):
         """hidden_states + attention(hidden_states): the layer's first half,
         which DecoderStack.graph_layers captures alone when the experts
-        cannot be captured; ``kw`` are forward's attention arguments."""
-        return hidden_states + self.self_attention(hidden_states, attn_mask_type=self_attn_mask_type,
-                                                   is_first_microbatch=is_first_microbatch, **kw)
+        cannot be captured; ``kw`` are forward's attention arguments.  The
+        residual is added in the output projection's GEMM epilogue and its
+        gradient in the QKV norm's backward pass (MultiheadAttention's
+        ``residual``): no add of its own either way."""
+        return self.self_attention(hidden_states, attn_mask_type=self_attn_mask_type,
+                                   is_first_microbatch=is_first_microbatch, residual=hidden_states, **kw)
 
     def after_attention(self, x, is_first_microbatch=None):
         """The layer's second half on the attention block's output ``x``:
@@ -171,7 +174,12 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
         ``is_first_microbatch``: forward's, for the experts' GEMMs."""
         if capture_safe:
             return x + self.mlp.forward_every_expert(self.pre_mlp_layernorm(x), is_first_microbatch)
-        return x + self.mlp(self.pre_mlp_layernorm(x), is_first_microbatch)
+        if torch.is_grad_enabled() and x.requires_grad:
+            # the residual's gradient added in the norm's backward pass (RMSNorm's input alias), not by an add
+            n, x = self.pre_mlp_layernorm(x, return_input_alias=True)
+        else:
+            n = self.pre_mlp_layernorm(x)
+        return x + self.mlp(n, is_first_microbatch)
 
 
 def load_balancing_loss(router_logits, num_experts, topk, attention_mask=None):

@@ -33,51 +33,71 @@ from .te_compat import materialize, refuse
 # saved for the backward is the one the forward read.
 
 
+def _alias_outputs(ctx, y, x, alias):
+    """The norm functions' outputs: y, and with ``alias`` also x itself as a
+    second output (its gradient, a residual connection's, is added to dx in
+    the norm's backward pass: no add kernel of autograd's).  An output no
+    gradient reaches then gets None in the backward, not zeros: where only
+    the alias's does, dx is that gradient and the parameters get none, as
+    without the alias."""
+    if not alias:
+        return y
+    ctx.set_materialize_grads(False)
+    return y, x.view_as(x)
+
+
 class _LayerNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, zero_centered_gamma):
+    def forward(ctx, x, weight, bias, eps, zero_centered_gamma, alias=False):
         x = x.contiguous()
         y, mean, rstd = ops.layernorm_forward(x, weight, bias, eps, zero_centered_gamma)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.has_bias = bias is not None
-        return y
+        return _alias_outputs(ctx, y, x, alias)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dres=None):
+        if dy is None:  # only the input alias reached the loss (_alias_outputs)
+            return dres, None, None, None, None, None
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dgamma, dbeta = ops.layernorm_backward(dy, x, mean, rstd, weight, ctx.zero_centered_gamma,
-                                              ctx.has_bias)
-        return dx, dgamma, dbeta, None, None
+                                                   ctx.has_bias, dres=dres)
+        return dx, dgamma, dbeta, None, None, None
 
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered_gamma):
+    def forward(ctx, x, weight, eps, zero_centered_gamma, alias=False):
         x = x.contiguous()
         y, rstd = ops.rmsnorm_forward(x, weight, eps, zero_centered_gamma)
         ctx.save_for_backward(x, weight, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
-        return y
+        return _alias_outputs(ctx, y, x, alias)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, dres=None):
+        if dy is None:  # only the input alias reached the loss (_alias_outputs)
+            return dres, None, None, None, None
         x, weight, rstd = ctx.saved_tensors
-        dx, dgamma = ops.rmsnorm_backward(dy, x, rstd, weight, ctx.zero_centered_gamma)
-        return dx, dgamma, None, None
+        dx, dgamma = ops.rmsnorm_backward(dy, x, rstd, weight, ctx.zero_centered_gamma, dres=dres)
+        return dx, dgamma, None, None, None
 
 
-def layer_norm(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False):
-    """Differentiable LayerNorm over the last dimension of x."""
+def layer_norm(x, weight, bias=None, eps=1e-5, zero_centered_gamma=False, return_input_alias=False):
+    """Differentiable LayerNorm over the last dimension of x; with
+    ``return_input_alias`` (y, alias of x): see RMSNorm.forward."""
     check_input("LayerNorm", x)
     return _LayerNormFn.apply(x, norm_param(weight, x), norm_param(bias, x), float(eps),
-                              bool(zero_centered_gamma))
+                              bool(zero_centered_gamma), bool(return_input_alias))
 
 
-def rms_norm(x, weight, eps=1e-5, zero_centered_gamma=False):
-    """Differentiable RMSNorm over the last dimension of x."""
+def rms_norm(x, weight, eps=1e-5, zero_centered_gamma=False, return_input_alias=False):
+    """Differentiable RMSNorm over the last dimension of x; with
+    ``return_input_alias`` (y, alias of x): see RMSNorm.forward."""
     check_input("RMSNorm", x)
-    return _RMSNormFn.apply(x, norm_param(weight, x), float(eps), bool(zero_centered_gamma))
+    return _RMSNormFn.apply(x, norm_param(weight, x), float(eps), bool(zero_centered_gamma),
+                            bool(return_input_alias))
 
 
 def _one_of(cls, new, new_value, old, old_value):
@@ -142,15 +162,21 @@ class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dimension."""
     _name, _has_bias = "LayerNorm", True
 
-    def forward(self, input):
+    def forward(self, input, return_input_alias=False):
+        """As RMSNorm.forward."""
         check_input(self._name, input, self.hidden_size, "normalized_shape")  # (not the weight's length)
-        return layer_norm(input, self.weight, self.bias, self.eps, self.zero_centered_gamma)
+        return layer_norm(input, self.weight, self.bias, self.eps, self.zero_centered_gamma, return_input_alias)
 
 
 class RMSNorm(_Norm):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
     _name, _has_bias = "RMSNorm", False
 
-    def forward(self, input):
+    def forward(self, input, return_input_alias=False):
+        """The normalised input; with ``return_input_alias`` (seqfuse's) the
+        pair (output, alias of input) for a pre-norm residual block
+        ``alias + f(output)``: the residual's gradient is then added to the
+        input's in the norm's backward pass instead of by autograd's add
+        kernel (the alias holds input's values; use it in place of input)."""
         check_input(self._name, input, self.hidden_size, "normalized_shape")  # (not the weight's length)
-        return rms_norm(input, self.weight, self.eps, self.zero_centered_gamma)
+        return rms_norm(input, self.weight, self.eps, self.zero_centered_gamma, return_input_alias)
