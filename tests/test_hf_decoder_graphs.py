@@ -194,11 +194,47 @@ def test_grouped_mlp_capture_refusal():
 
     moe = GroupedMLP(64, 64, 4, 2)
     x = torch.randn(8, 64)
+    forward = moe.device_split_refusal(x, DelayedScaling())  # (on the CPU the forward reads them too)
+    assert forward is not None
     assert moe.capture_refusal(x, DelayedScaling()) == ("under DelayedScaling the experts' backward reads the "
-                                                        "routing counts on the host")
+                                                        f"routing counts on the host; the forward also reads "
+                                                        f"them: {forward}")
     with te.autocast(enabled=True, recipe=DelayedScaling()):
         assert "backward reads the routing counts" in moe.capture_refusal(x)
     assert moe.capture_refusal(x, None) == moe.device_split_refusal(x, None) is not None
+
+
+def test_mixtral_layer_folds_its_residuals():
+    """The Mixtral layer adds its residuals inside other kernels (the
+    attention's in the projection's epilogue and the QKV norm's backward,
+    the experts' gradient in the RMSNorm's backward): its output and
+    gradients equal the plain composition h + attn(h), x + moe(norm(x))
+    with autograd's adds, float32 on the CPU, within rounding."""
+    torch.manual_seed(1)
+    m = mixtral().train()
+    layer = m.model.layers[1]
+    freqs = m.model.rotary_emb(64)
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    kw = dict(rotary_pos_emb=freqs, attn_mask_type="causal", qkv_format="bshd")
+
+    def plain(h):
+        h = h + layer.self_attention(h, **kw)
+        y = h + layer.mlp(layer.pre_mlp_layernorm(h))
+        logits, layer.mlp.router_logits = layer.mlp.router_logits, None
+        return y, logits
+
+    outs, grads = [], []
+    for run in (plain, lambda h: layer(h, rotary_pos_emb=freqs, self_attn_mask_type="causal", qkv_format="bshd")):
+        layer.zero_grad(set_to_none=True)
+        xi = x.detach().clone().requires_grad_(True)
+        y, logits = run(xi)
+        (y.square().sum() + logits.sum()).backward()
+        outs.append((y, logits))
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
@@ -224,6 +260,11 @@ def assert_trains_as_eager(make, recipe, caplog, experts_graphed=True):
     le, ge = train(eager, batches, recipe)
     experts = [m for m in graphed.modules() if hasattr(m, "fp8_device_weight_casts")]
     casts = [m.fp8_device_weight_casts for m in experts]
+    calls = []  # the layers' attention modules called in Python (eagerly), not replayed
+    for layer in graphed.model.layers:
+        attention = getattr(layer, "self_attention", None)
+        if attention is not None:
+            attention.register_forward_pre_hook(lambda *_: calls.append(1))
     with caplog.at_level(logging.WARNING):
         lg, gg = train(graphed, batches, recipe)
     # the graphs replayed: no eager fallback was said, and (whole layers graphed) no expert layer's
@@ -231,7 +272,9 @@ def assert_trains_as_eager(make, recipe, caplog, experts_graphed=True):
     assert "graphed layers not used" not in caplog.text
     if experts_graphed:
         assert [m.fp8_device_weight_casts for m in experts] == casts
+        assert not calls
     assert_same_training((le, ge), (lg, gg))
+    return len(calls)
 
 
 @pytest.mark.cuda
@@ -247,7 +290,9 @@ def test_cuda_graphed_attention_blocks_mixtral_delayed_trains_as_eager(caplog):
     attention block, says so with the reason, and the experts run eagerly
     between the replays; training equals the eager model's."""
     with caplog.at_level(logging.WARNING, logger="seqfuse"):
-        assert_trains_as_eager(mixtral, DelayedScaling(), caplog, experts_graphed=False)
+        eager_calls = assert_trains_as_eager(mixtral, DelayedScaling(), caplog, experts_graphed=False)
+    # the attention blocks ran in Python only until their FP8 tensors had a history, then replayed
+    assert 0 < eager_calls < 4 * 2, eager_calls
     assert ("each layer's attention block is graphed and its experts run eagerly: the routing counts are read "
             "to the host at every step, which a CUDA graph cannot hold: under DelayedScaling the experts' "
             "backward reads the routing counts on the host") in caplog.text

@@ -136,15 +136,20 @@ def _residual_block(m, x, alias, use):
 @pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use", ["both", "y", "alias"])
-def test_norm_input_alias_adds_the_residual_gradient_in_its_pass(device, cls, dtype, use, seed):
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_norm_input_alias_adds_the_residual_gradient_in_its_pass(device, cls, dtype, use, contiguous, seed):
     """return_input_alias: the alias holds the input's values, and the
     gradients (input, weight, bias) of a pre-norm residual block through it
     equal the plain form's, where autograd adds the residual's gradient;
-    also when only the output or only the alias reaches the loss."""
+    also when only the output or only the alias reaches the loss, and for
+    a non-contiguous input (the alias is then a view of the norm's
+    contiguous copy)."""
     m = getattr(te, cls)(256, device=device)
     with torch.no_grad():
         m.weight.normal_(1.0, 0.2)
     x = torch.randn(3, 40, 256, device=device).to(dtype)
+    if not contiguous:
+        x = torch.randn(40, 3, 256, device=device).to(dtype).transpose(0, 1)
     grads = []
     for alias in (False, True):
         m.zero_grad(set_to_none=True)

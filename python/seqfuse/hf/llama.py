@@ -212,11 +212,13 @@ class DecoderStack:
         (GroupedMLP.capture_refusal: DelayedScaling's device-ends route
         reads them in the backward; the host-count route and expert
         parallelism in the forward), cannot be captured whole.  ``experts``
-        says what then happens: "auto" (default) captures each such layer's
-        attention block with its residual and runs the rest of the layer
+        says what then happens: "auto" (default) captures every layer's
+        attention block with its residual and runs the rest of each layer
         (norm, router, experts) eagerly, and the log says so with the
-        reason; "graphed" makes it a ValueError with the reason; "eager"
-        captures only the attention blocks whatever the recipe."""
+        reason of the first such layer; "graphed" makes it a ValueError
+        with the reason; "eager" captures only the attention blocks whatever
+        the recipe.  A split needs layers with ``attention_block`` and
+        ``after_attention`` (Mixtral's)."""
         owner = type(self).__name__
         if experts not in ("auto", "graphed", "eager"):
             raise ValueError(f"{owner}.graph_layers: argument 'experts' must be 'auto', 'graphed' or 'eager', "
@@ -240,13 +242,19 @@ class DecoderStack:
                        else f"{type(m).__name__} sizes its token exchange on the host" for m in moe)
             why = next((r for r in reasons if r is not None), None)
             if why is not None and experts == "graphed":
-                raise ValueError(f"{owner}.graph_layers: the experts' routing counts would be read to the host "
-                                 f"at every step, which a CUDA graph cannot hold: {why}")
+                raise ValueError(f"{owner}.graph_layers: experts='graphed': the experts' routing counts would be "
+                                 f"read to the host at every step, which a CUDA graph cannot hold: {why} "
+                                 "(experts='auto' graphs the attention blocks and runs the experts eagerly)")
             if why is not None:
                 _log.warning("%s.graph_layers: each layer's attention block is graphed and its experts run "
                              "eagerly: the routing counts are read to the host at every step, which a CUDA "
                              "graph cannot hold: %s", owner, why)
         split = bool(moe) and (experts == "eager" or why is not None)
+        if split and not all(hasattr(layer, "attention_block") and hasattr(layer, "after_attention")
+                             for layer in self.layers):
+            raise ValueError(f"{owner}.graph_layers: experts={experts!r} graphs each layer's attention block "
+                             "alone, which needs layers with attention_block and after_attention (Mixtral's "
+                             f"decoder layer); these are {type(self.layers[0]).__name__}")
         freqs = self.rotary_emb(seq_len)
         parts = tuple((_BshdAttentionBlock if split else _BshdLayer)(layer) for layer in self.layers)
         sample = tuple((x.detach().clone().requires_grad_(True), freqs) for _ in parts)

@@ -174,9 +174,12 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
         ``is_first_microbatch``: forward's, for the experts' GEMMs."""
         if capture_safe:
             return x + self.mlp.forward_every_expert(self.pre_mlp_layernorm(x), is_first_microbatch)
-        if torch.is_grad_enabled() and x.requires_grad:
+        norm = self.pre_mlp_layernorm
+        if torch.is_grad_enabled() and x.requires_grad and type(norm) is RMSNorm and not (
+                norm._forward_hooks or norm._forward_pre_hooks):
             # the residual's gradient added in the norm's backward pass (RMSNorm's input alias), not by an add
-            n, x = self.pre_mlp_layernorm(x, return_input_alias=True)
+            # (a replaced or hooked norm is called as a plain one: its hooks see a tensor, not the pair)
+            n, x = norm(x, return_input_alias=True)
         else:
             n = self.pre_mlp_layernorm(x)
         return x + self.mlp(n, is_first_microbatch)

@@ -212,9 +212,11 @@ class GroupedMLP(RoutedExperts):
         copy; otherwise the device-split route has no host read and any
         refusal of it means the forward reads them."""
         active = _q.get_recipe() if recipe is ACTIVE_RECIPE and _q.is_fp8_enabled() else recipe
+        why = self.device_split_refusal(x, recipe)
         if isinstance(active, DelayedScaling):
-            return "under DelayedScaling the experts' backward reads the routing counts on the host"
-        return self.device_split_refusal(x, recipe)
+            backward = "under DelayedScaling the experts' backward reads the routing counts on the host"
+            return backward if why is None else f"{backward}; the forward also reads them: {why}"
+        return why
 
     def _one_node_refusal(self):
         """Why the device-ends FP8 route cannot run both expert layers as one
