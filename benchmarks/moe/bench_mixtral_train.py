@@ -134,14 +134,15 @@ from harness import RESULTS, Table, plot_bars  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
 
-ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed_hostsplits_torch_adamw",
-        "seqfuse_fp8_delayed",
+ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw",
+        "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw", "seqfuse_fp8_current_e4m3_torch_adamw",
         "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw", "seqfusegraph_bf16_torch_adamw",
         "seqfusegraph_fp8_current_e4m3_torch_adamw", "seqfusegraph_fp8_delayed_torch_adamw")
-DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed",
-                "seqfuse_fp8_block")
+DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16",
+                "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed", "seqfuse_fp8_block",
+                "seqfuse_fp8_delayed_torch_adamw", "seqfusegraph_fp8_delayed_torch_adamw")
 MEASURED_TFLOPS = 794.0  # the project's measured H200 bf16 ceiling (benchmarks/harness.py)
 
 
