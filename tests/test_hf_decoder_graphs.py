@@ -159,6 +159,22 @@ def test_graph_layers_experts_argument():
         llama().train().model.graph_layers(2, 64, experts="eager")
 
 
+def test_graph_layers_split_needs_the_layers_split_methods(monkeypatch):
+    """experts='eager' on a stack whose layers cannot be split (experts inside a TransformerLayer, which has
+    no attention_block / after_attention) is a ValueError naming the argument, before any capture (the
+    CUDA precondition stood in for: this runs on the CPU)."""
+    import seqfuse.hf.llama as llama_mod
+    from seqfuse.modules import GroupedMLP
+
+    monkeypatch.setattr(llama_mod, "check_graphable", lambda *a, **k: None)
+    monkeypatch.setattr(llama_mod, "make_graphed_callables", lambda *a, **k: pytest.fail("captured"))
+    m = llama().train()
+    m.model.layers[0].experts = GroupedMLP(128, 64, 4, 2)
+    with pytest.raises(ValueError, match="experts='eager' graphs each layer's attention block alone, which needs "
+                                         "layers with attention_block and after_attention .* TransformerLayer"):
+        m.model.graph_layers(2, 64, experts="eager")
+
+
 def test_mixtral_layer_is_its_attention_block_then_the_rest():
     """A Mixtral layer called whole equals its attention block (what
     graph_layers captures where the experts cannot be) followed by

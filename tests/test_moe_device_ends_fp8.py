@@ -570,17 +570,24 @@ def test_device_ends_mlp_refuses_layers_that_do_not_pair():
         gl_module.device_ends_mlp(fc2, fc2, torch.zeros(4, 48), torch.zeros(4), None, None)
 
 
-def test_one_node_under_retain_graph_and_no_grad(monkeypatch, seed):
-    """The one node under retain_graph (two backward passes over one graph: the second adds the first's
-    gradients again) and under no_grad (its output alone, no graph).  (Checkpoints: the device-ends route
-    refuses seqfuse's recompute, test_refusals_of_statistics_checkpoints_and_expert_count.)"""
+def _warmed_mlp(monkeypatch):
+    """(recipe, fc1, fc2, M): one of _mlp_pairs' layer pairs after a warm FP8 delayed step (every expert's
+    first casts, so each has a history), the sm90 check answered yes, M = sum(SPLITS) rows for the node."""
     monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
     recipe = DelayedScaling()
     fc1, fc2 = _mlp_pairs()[0]
     M = sum(SPLITS)
     xw = torch.randn(M, 32).bfloat16().requires_grad_()
-    with fp8_autocast(fp8_recipe=recipe):  # (every expert's first casts)
+    with fp8_autocast(fp8_recipe=recipe):
         fc2(fc1(xw, WARM), WARM, swiglu_probs=torch.rand(M)).float().sum().backward()
+    return recipe, fc1, fc2, M
+
+
+def test_one_node_under_retain_graph_and_no_grad(monkeypatch, seed):
+    """The one node under retain_graph (two backward passes over one graph: the second adds the first's
+    gradients again) and under no_grad (its output alone, no graph).  (Checkpoints: the device-ends route
+    refuses seqfuse's recompute, test_refusals_of_statistics_checkpoints_and_expert_count.)"""
+    recipe, fc1, fc2, M = _warmed_mlp(monkeypatch)
     fc1.zero_grad(set_to_none=True)
     fc2.zero_grad(set_to_none=True)
     counts = torch.tensor(SPLITS)
@@ -610,13 +617,7 @@ def test_one_node_backward_names_a_lost_handoff_and_releases_it(monkeypatch, see
     """Where the gate-up layer's backward would get neither its output gradient (the one node never writes it)
     nor the FP8 copies the down projection's pass made, it raises naming the fault, not a wrong gradient; the
     node then holds none of its layers' tensors or copies (its ``finally``)."""
-    monkeypatch.setattr(moe_ops, "sm90_kernel_refusal", lambda device: None)
-    recipe = DelayedScaling()
-    fc1, fc2 = _mlp_pairs()[0]
-    M = sum(SPLITS)
-    xw = torch.randn(M, 32).bfloat16().requires_grad_()
-    with fp8_autocast(fp8_recipe=recipe):  # (every expert's first casts)
-        fc2(fc1(xw, WARM), WARM, swiglu_probs=torch.rand(M)).float().sum().backward()
+    recipe, fc1, fc2, M = _warmed_mlp(monkeypatch)
     counts = torch.tensor(SPLITS)
     x = torch.randn(M, 32).bfloat16().requires_grad_()
     with fp8_autocast(fp8_recipe=recipe):

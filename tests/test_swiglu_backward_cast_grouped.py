@@ -116,6 +116,20 @@ def test_need_dprobs_false_gives_none(seed):
     assert torch.equal(dx, moe_ops.swiglu_backward(dout, x, probs)[0])
 
 
+def test_without_dx_something_must_be_asked(seed):
+    """want_dx=False with no dprobs and neither FP8 cast leaves the call nothing to compute: a ValueError
+    naming the rule, not a call that writes nothing."""
+    x, dout, probs = torch.randn(8, 32), torch.randn(8, 16), torch.rand(8)
+    for kw in (dict(probs=None), dict(probs=probs, need_dprobs=False)):
+        p = kw.pop("probs")
+        with pytest.raises(ValueError, match="want_dx=False with no dprobs, no fp8_dtype and no grad_fp8_dtype "
+                                             "leaves nothing to compute"):
+            moe_ops.swiglu_backward_cast_fp8_grouped(dout, x, p, [3, 5], want_dx=False, **kw)
+    # dprobs alone is something: dx's scratch stays inside the call
+    _, dprobs, *_ = moe_ops.swiglu_backward_cast_fp8_grouped(dout, x, probs, [3, 5], want_dx=False)
+    assert torch.allclose(dprobs, moe_ops.swiglu_backward(dout, x, probs)[1])
+
+
 def _call_poisoned(dout, x, probs, splits, fp8_dtype, scale, grad=None, want_dx=True):
     """The C entry with every output poisoned first (NaN / 0xFF bytes);
     ``grad``: (fp8 dtype, scale, amax) of dx's casts; ``want_dx`` False:

@@ -211,9 +211,10 @@ class GroupedMLP(RoutedExperts):
         DelayedScaling the device-ends route's backward reads their host
         copy; otherwise the device-split route has no host read and any
         refusal of it means the forward reads them."""
-        active = _q.get_recipe() if recipe is ACTIVE_RECIPE and _q.is_fp8_enabled() else recipe
+        if recipe is ACTIVE_RECIPE:
+            recipe = _q.get_recipe() if _q.is_fp8_enabled() else None
         why = self.device_split_refusal(x, recipe)
-        if isinstance(active, DelayedScaling):
+        if isinstance(recipe, DelayedScaling):
             backward = "under DelayedScaling the experts' backward reads the routing counts on the host"
             return backward if why is None else f"{backward}; the forward also reads them: {why}"
         return why
