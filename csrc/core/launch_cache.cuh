@@ -21,6 +21,8 @@
 #include <mutex>
 #include <stdint.h>
 
+#include "cuda_util.h"
+
 template <typename Key, int N>
 class sf_launch_cache {
 public:
@@ -63,5 +65,42 @@ private:
     std::atomic<int> used_{0};
     std::mutex lock_;
 };
+
+/* Dynamic shared memory beyond the default 48 KB needs the opt-in attribute,
+ * and the limit counts the kernel's static shared memory too, so the static
+ * size is asked once a kernel asks for any dynamic bytes.  The attribute
+ * stays set, so the query and the set run once per kernel, device and larger
+ * request, not on every call (host time per launch).  Under the cache's lock
+ * the opt-in only grows: a thread asking for less than another already set
+ * finds it done and leaves it.  Launches inside a CUDA graph capture then
+ * make no runtime call. */
+struct sf_smem_key {
+    const void *kernel;
+    int device;
+    bool operator==(const sf_smem_key &o) const { return kernel == o.kernel && device == o.device; }
+};
+
+template <typename K>
+sf_status sf_allow_smem(const char *op, K kernel, size_t bytes, int device)
+{
+    constexpr size_t kDefault = 48 * 1024;
+    if (bytes == 0)
+        return SF_OK;
+    static sf_launch_cache<sf_smem_key, 128> cache;
+    const sf_smem_key key = {(const void *)kernel, device};
+    int64_t allowed;
+    if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)
+        return SF_OK;
+    std::lock_guard<std::mutex> hold(cache.lock());
+    if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)
+        return SF_OK;
+    cudaFuncAttributes attr;
+    SF_CUDA_TRY(op, cudaFuncGetAttributes(&attr, (const void *)kernel));
+    if (bytes + attr.sharedSizeBytes > kDefault)
+        SF_CUDA_TRY(op, cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)bytes));
+    cache.put(key, (int64_t)bytes);
+    return SF_OK;
+}
 
 #endif /* SF_LAUNCH_CACHE_CUH */

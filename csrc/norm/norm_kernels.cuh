@@ -436,44 +436,6 @@ __global__ void __launch_bounds__(NV * VEC <= kBackwardElems ? 1024 : 512) norm_
 
 /* ---- launch code ---------------------------------------------------- */
 
-/* Dynamic shared memory beyond the default 48 KB needs the opt-in attribute.
- * The limit counts the kernel's static shared memory too (the reduction
- * scratch), so a 48 KB dynamic request with 512 static bytes already needs
- * it: hence the query of the static size once the request comes close. */
-struct SmemKey {
-    const void *kernel;
-    int device;
-    bool operator==(const SmemKey &o) const { return kernel == o.kernel && device == o.device; }
-};
-
-template <typename K>
-sf_status allow_smem(const char *op, K kernel, size_t bytes, int device)
-{
-    constexpr size_t kDefault = 48 * 1024;
-    constexpr size_t kStaticSlack = 4 * 1024; /* more than any static scratch here */
-    if (bytes + kStaticSlack <= kDefault)
-        return SF_OK;
-    /* The attribute stays set, so the query and the set run once per kernel,
-     * device and larger request, not on every call (host time per launch).
-     * Under the cache's lock the opt-in only grows: a thread asking for less
-     * than another already set finds it done and leaves it. */
-    static sf_launch_cache<SmemKey, 64> cache;
-    const SmemKey key = {(const void *)kernel, device};
-    int64_t allowed;
-    if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)
-        return SF_OK;
-    std::lock_guard<std::mutex> hold(cache.lock());
-    if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)
-        return SF_OK;
-    cudaFuncAttributes attr;
-    SF_CUDA_TRY(op, cudaFuncGetAttributes(&attr, kernel));
-    if (bytes + attr.sharedSizeBytes > kDefault)
-        SF_CUDA_TRY(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             (int)bytes));
-    cache.put(key, (int64_t)bytes);
-    return SF_OK;
-}
-
 /* Persistent grid: at most what fits at once, with the row groups dealt out
  * evenly (every block walks ceil(groups / cap) groups, or one fewer). */
 inline int64_t balanced_grid(int64_t groups, int64_t cap)
@@ -501,7 +463,7 @@ sf_status launch_forward_nv(const ForwardParams &p, const Config &c, int device,
 {
     const size_t smem = (p.rms ? 1 : 2) * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
     auto kernel = norm_forward_kernel<T, VEC, NV>;
-    SF_TRY(allow_smem("norm_forward", kernel, smem, device));
+    SF_TRY(sf_allow_smem("norm_forward", kernel, smem, device));
     int64_t grid;
     SF_TRY(persistent_grid("norm_forward", kernel, c, smem, p.rows, device, &grid));
     kernel<<<(unsigned)grid, dim3(c.tx, c.ty), smem, stream>>>(p);
@@ -535,7 +497,7 @@ sf_status launch_backward_nv(const BackwardParams &p, const Config &c, int devic
     const size_t smem = (size_t)((p.hidden + 3) & ~3) * sizeof(float) +
                         (c.ty > 1 ? (size_t)c.tx * c.ty * VEC * sizeof(float) : 0);
     auto kernel = norm_backward_kernel<T, VEC, NV, RMS>;
-    SF_TRY(allow_smem("norm_backward", kernel, smem, device));
+    SF_TRY(sf_allow_smem("norm_backward", kernel, smem, device));
     SF_TRY(persistent_grid("norm_backward", kernel, c, smem, p.rows, device, grid));
     if (*grid > bound)
         *grid = bound; /* the workspace holds `bound` partial rows */

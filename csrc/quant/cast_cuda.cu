@@ -36,7 +36,9 @@
 #include <cooperative_groups.h>
 #include <type_traits>
 
+#include "../core/async_copy.cuh" /* the grouped SwiGLU backward's staged loads */
 #include "../core/cuda_util.h"
+#include "../core/launch_cache.cuh" /* sf_allow_smem */
 #include "../core/vec_io.cuh" /* launch_column_sums: sf_column_sums */
 #include "../core/visit.cuh"
 #include "../moe/moe.h" /* sf_moe_silu, sf_moe_ld: the SwiGLU of the fused grouped cast */
@@ -907,10 +909,54 @@ __device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t
     return s;
 }
 
+/* The backward's input staging: each thread copies its own rows' 8-column
+ * segments of gate, up and dout into shared memory with cp.async, kBwdStages
+ * phases ahead of the one it computes, and reads back only what it copied
+ * (so the stages need no barrier).  A phase is kRows of the thread's 8 rows
+ * of a 128 x 128 tile (16-bit T: 4 rows, 48 KB a CTA; float: 2 rows, also
+ * 48 KB).  The loads of the next phases stay in flight through the compute
+ * and through the barriers and transposed stores that close each tile. */
+template <typename T>
+struct BwdStaging {
+    static constexpr int kRows = sizeof(T) == 4 ? 2 : 4;
+    static constexpr int kPhases = 8 / kRows; /* per 128-column tile */
+    static constexpr int kSlot = (int)sizeof(sf_raw8<T>) / 16; /* 16-byte words a thread's row segment */
+    static constexpr int kBytes = kRows * 3 * kThreads * (int)sizeof(sf_raw8<T>);
+};
+constexpr int kBwdStages = 3;
+
+/* Phase q's copies (tile q / kPhases, rows kRows * (q % kPhases) ..) into
+ * stage `st`: slot (j, tensor) of thread t at st + ((j * 3 + tensor) *
+ * kThreads + t) * kSlot 16-byte words; rows past m and columns past k are
+ * zero-filled (and not read). */
+template <typename T>
+__device__ __forceinline__ void issue_bwd_phase(uint4 *st, const T *x, const T *dout, int64_t m, int64_t k,
+                                                int64_t m0, int q, int lr, int lj)
+{
+    using S = BwdStaging<T>;
+    const int64_t kc = (int64_t)(q / S::kPhases) * kTile + lj * 8;
+    const int ph = q % S::kPhases;
+#pragma unroll
+    for (int j = 0; j < S::kRows; ++j) {
+        const int64_t r = m0 + lr + 16 * (ph * S::kRows + j);
+        const bool ok = r < m && kc < k;
+        const T *src[3] = {ok ? x + r * 2 * k + kc : x, ok ? x + r * 2 * k + k + kc : x,
+                           ok ? dout + r * k + kc : dout};
+#pragma unroll
+        for (int v = 0; v < 3; ++v)
+#pragma unroll
+            for (int w = 0; w < S::kSlot; ++w)
+                cp_async_16(smem_addr(st + ((j * 3 + v) * kThreads + threadIdx.x) * S::kSlot + w),
+                            reinterpret_cast<const uint4 *>(src[v]) + (ok ? w : 0), ok ? 16 : 0);
+    }
+}
+
 template <typename T, bool E5M2, bool CAST, bool GRAD>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 1)
 grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
 {
+    using S = BwdStaging<T>;
+    extern __shared__ __align__(16) uint4 staged[]; /* kBwdStages x BwdStaging<T>::kBytes */
     __shared__ __align__(16) uint32_t tile[CAST ? kTile : 1][kWords];
     __shared__ __align__(16) uint32_t tile_g[GRAD ? kTile : 1][kWords], tile_u[GRAD ? kTile : 1][kWords];
     const int i = group_of_block(tab);
@@ -934,47 +980,66 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
     const int t = threadIdx.x, lj = t & 15, lr = t >> 4;
     const int warp = t >> 5, lane = t & 31, kw = warp * 4 + (lane >> 3), mg = lane & 7;
     float dp[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    const int64_t row0 = tab.row[i];
-    for (int64_t k0 = 0; k0 < k; k0 += kTile) {
-        const int64_t kc = k0 + lj * 8;
+    float pr[8]; /* the thread's rows' probabilities (rows lr + 16 jj) */
 #pragma unroll
-        for (int ph = 0; ph < 8; ph += 4) {
-            sf_raw8<T> rg[4], ru[4], rd[4];
-            float p[4];
-            bool ok[4];
+    for (int jj = 0; jj < 8; ++jj) {
+        const int64_t r = m0 + lr + 16 * jj;
+        pr[jj] = pt.probs && r < m ? sf_moe_ld(pt.probs, pt.pd, tab.row[i] + r) : 1.0f;
+    }
+    const int tiles_k = (int)((k + kTile - 1) / kTile), phases = tiles_k * S::kPhases;
+    constexpr int kStageWords = S::kBytes / 16;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int64_t r = m0 + lr + 16 * (ph + j);
-                ok[j] = r < m && kc < k;
-                if (ok[j]) {
-                    sf_load_raw8(x + r * 2 * k + kc, rg[j]);
-                    sf_load_raw8(x + r * 2 * k + k + kc, ru[j]);
-                    sf_load_raw8(dout + r * k + kc, rd[j]);
-                    p[j] = pt.probs ? sf_moe_ld(pt.probs, pt.pd, row0 + r) : 1.0f;
-                }
+    for (int q = 0; q < kBwdStages - 1; ++q) {
+        if (q < phases)
+            issue_bwd_phase<T>(staged + q * kStageWords, x, dout, m, k, m0, q, lr, lj);
+        cp_async_commit();
+    }
+    int stage = 0; /* phase q's stage: q % kBwdStages */
+    for (int kt = 0; kt < tiles_k; ++kt) {
+        const int64_t k0 = (int64_t)kt * kTile, kc = k0 + lj * 8;
+#pragma unroll
+        for (int ph = 0; ph < S::kPhases; ++ph) {
+            const int q = kt * S::kPhases + ph;
+            cp_async_wait<kBwdStages - 2>(); /* this thread's copies of phase q have landed */
+            sf_raw8<T> rg[S::kRows], ru[S::kRows], rd[S::kRows];
+            const uint4 *src = staged + stage * kStageWords;
+#pragma unroll
+            for (int j = 0; j < S::kRows; ++j) {
+                const uint4 *slot = src + (j * 3 * kThreads + t) * S::kSlot;
+                rg[j] = *reinterpret_cast<const sf_raw8<T> *>(slot);
+                ru[j] = *reinterpret_cast<const sf_raw8<T> *>(slot + kThreads * S::kSlot);
+                rd[j] = *reinterpret_cast<const sf_raw8<T> *>(slot + 2 * kThreads * S::kSlot);
             }
+            /* refill the stage phase q - 1 used (read back in the last step) */
+            const int next = stage == 0 ? kBwdStages - 1 : stage - 1;
+            if (q + kBwdStages - 1 < phases)
+                issue_bwd_phase<T>(staged + next * kStageWords, x, dout, m, k, m0, q + kBwdStages - 1, lr, lj);
+            cp_async_commit();
+            stage = stage == kBwdStages - 1 ? 0 : stage + 1;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int jj = ph + j, row = lr + 16 * jj;
+            for (int j = 0; j < S::kRows; ++j) {
+                const int jj = ph * S::kRows + j, row = lr + 16 * jj;
+                const int64_t r = m0 + row;
+                const bool ok = r < m && kc < k;
+                const float p = pr[jj];
                 uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
                 uint2 wg = make_uint2(0u, 0u), wu = make_uint2(0u, 0u);
-                if (ok[j]) {
+                if (ok) {
                     float gv[8], uv[8], dv[8], dg[8], du[8];
                     sf_unpack8(rg[j], gv);
                     sf_unpack8(ru[j], uv);
                     sf_unpack8(rd[j], dv);
-                    const int64_t r = m0 + row;
 #pragma unroll
                     for (int h = 0; h < 2; ++h) { /* (four values at a time: the FP8 word of each half) */
                         float sv[4];
 #pragma unroll
                         for (int e = 4 * h; e < 4 * h + 4; ++e) { /* (moe_swiglu_backward's expressions) */
                             const float s = sf_moe_silu(gv[e]);
-                            dg[e] = dv[e] * p[j] * uv[e] * sf_moe_dsilu(gv[e]);
-                            du[e] = dv[e] * p[j] * s;
+                            dg[e] = dv[e] * p * uv[e] * sf_moe_dsilu(gv[e]);
+                            du[e] = dv[e] * p * s;
                             dp[jj] += dv[e] * s * uv[e];
                             if constexpr (CAST)
-                                sv[e - 4 * h] = __fmul_rn(swiglu_value<T>(gv[e], uv[e], p[j]), scale);
+                                sv[e - 4 * h] = __fmul_rn(swiglu_value<T>(gv[e], uv[e], p), scale);
                         }
                         if constexpr (CAST)
                             (h ? w.y : w.x) = sf_cvt4<E5M2>(sv);
@@ -1004,7 +1069,6 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
                 if constexpr (CAST)
                     *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
                 if constexpr (GRAD) {
-                    const int64_t r = m0 + row;
                     if (g_out && r < mp && kc < k) { /* (rows m..mp-1: the zero padding) */
                         *reinterpret_cast<uint2 *>(g_out + r * 2 * k + kc) = wg;
                         *reinterpret_cast<uint2 *>(g_out + r * 2 * k + k + kc) = wu;
@@ -1049,9 +1113,10 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
 }
 
 template <typename T>
-sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *a, cudaStream_t stream)
+sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *a, int device, cudaStream_t stream)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
+    const size_t smem = (size_t)kBwdStages * BwdStaging<T>::kBytes;
     const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
     BackwardPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
                   a->ld_t, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
@@ -1084,16 +1149,14 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
             continue;
         /* at least one CTA: with a cast it writes the scale inverses of groups with no rows */
         const int grid = blocks > 0 ? (int)blocks : 1;
-        if (!c && !gr)
-            grouped_swiglu_backward_kernel<T, false, false, false><<<grid, kThreads, 0, stream>>>(tab, pt);
-        else if (!c)
-            grouped_swiglu_backward_kernel<T, false, false, true><<<grid, kThreads, 0, stream>>>(tab, pt);
-        else if (c->e5m2)
-            (gr ? grouped_swiglu_backward_kernel<T, true, true, true>
-                : grouped_swiglu_backward_kernel<T, true, true, false>)<<<grid, kThreads, 0, stream>>>(tab, pt);
-        else
-            (gr ? grouped_swiglu_backward_kernel<T, false, true, true>
-                : grouped_swiglu_backward_kernel<T, false, true, false>)<<<grid, kThreads, 0, stream>>>(tab, pt);
+        auto kernel = !c ? (gr ? grouped_swiglu_backward_kernel<T, false, false, true>
+                               : grouped_swiglu_backward_kernel<T, false, false, false>)
+                      : c->e5m2 ? (gr ? grouped_swiglu_backward_kernel<T, true, true, true>
+                                      : grouped_swiglu_backward_kernel<T, true, true, false>)
+                                : (gr ? grouped_swiglu_backward_kernel<T, false, true, true>
+                                      : grouped_swiglu_backward_kernel<T, false, true, false>);
+        SF_TRY(sf_allow_smem(op, kernel, smem, device));
+        kernel<<<grid, kThreads, smem, stream>>>(tab, pt);
         SF_CUDA_CHECK_LAUNCH(op);
     }
     return SF_OK;
@@ -1363,7 +1426,7 @@ extern "C" sf_status sf_swiglu_backward_grouped_cuda(const sf_swiglu_backward_gr
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter(op, device, &guard));
     sf_status st = sf_visit_float(op, "x", a->dtype, [&](auto tag) {
-        return launch_swiglu_backward_grouped<typename decltype(tag)::type>(a, stream);
+        return launch_swiglu_backward_grouped<typename decltype(tag)::type>(a, device, stream);
     });
     sf_cuda_device_restore(&guard);
     return st;

@@ -1,3 +1,4 @@
+// check-links: moe
 /*
  * check_amax.cu - standalone check and benchmark of the amax kernel.
  *

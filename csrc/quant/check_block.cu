@@ -1,3 +1,4 @@
+// check-links: moe
 /*
  * check_block.cu - standalone check and benchmark of the block-scaled
  * quantizers (block_cuda.cu): FP8 with fp32 scales per 1x128 and 128x128

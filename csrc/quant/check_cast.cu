@@ -1,3 +1,4 @@
+// check-links: moe
 /*
  * check_cast.cu - standalone check and benchmark of the FP8 cast kernels.
  *
@@ -32,6 +33,15 @@
  *      codes one step apart in at most 1 in 1,000 elements and scales within
  *      a bf16 ulp (the Python tests compare the GPU's fused cast with its
  *      unfused kernels bit for bit); its time at Mixtral-small's shape.
+ *   9. swiglu_backward_cast_fp8_grouped (the SwiGLU's backward with the down
+ *      projection's transposed FP8 operand and dx's own FP8 copies in one
+ *      pass) against the CPU backend: dx and dprobs within a few units of
+ *      the dtype's rounding, FP8 codes one step apart in at most 1 in 1,000
+ *      elements (8's expf rule), the scale inverses and amax within a bf16
+ *      ulp; dout dense and in padded blocks, with and without dx and the
+ *      gradient copies, poisoned outputs.  Its time at Mixtral-small's shape
+ *      (what GroupedMLP's FP8 backward asks for: no dx, both gradient copies)
+ *      against a device copy's rate.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -542,6 +552,150 @@ static std::vector<int64_t> random_splits(int64_t G, int64_t total)
     return s;
 }
 
+/* 9: the SwiGLU's backward with its FP8 copies, CPU against GPU (timing 0),
+ * or its time (timing 1: the GPU alone).  dout is dense or in padded blocks;
+ * want_dx 0: dx is not written; grad: dx's E5M2 copies (row-wise and
+ * transposed) with delayed scaling. */
+static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> &splits, int64_t k, int want_dx,
+                                     int grad, int dout_padded, int timing = 0)
+{
+    if (!timing && !check_take_case())
+        return;
+    GroupedBuffers b = grouped_shape(splits, k);
+    const int64_t G = b.G, m = b.m, mp = b.mp, drows = dout_padded ? mp : m;
+    const size_t es = sf_dtype_size(dtype), dx_bytes = (size_t)(m * 2 * k) * es;
+    std::vector<uint8_t> hx(dx_bytes + 16), hd((size_t)(drows * k) * es + 16), hp(m * 4 + 16);
+    for (int64_t i = 0; i < m * 2 * k; ++i)
+        check_store(dtype, hx.data(), i, rng_normal() * (1.0f + (float)((i / (2 * k)) % 5)));
+    for (int64_t i = 0; i < drows * k; ++i)
+        check_store(dtype, hd.data(), i, rng_normal() * 0.05f);
+    for (int64_t r = 0; r < m; ++r)
+        check_store(SF_FLOAT32, hp.data(), r, r % 13 == 0 ? 0.0f : rng_uniform());
+    /* slots: scale, scale_inv (poisoned), grad scale, grad amax, grad scale_inv (poisoned) */
+    std::vector<float> slots(5 * G);
+    for (int64_t g = 0; g < G; ++g) {
+        slots[g] = 0.5f + 0.5f * (float)(g % 3);
+        slots[G + g] = -1.0f;
+        slots[2 * G + g] = 64.0f + 32.0f * (float)(g % 4);
+        slots[3 * G + g] = g % 2 ? 0.5f : 0.0f;
+        slots[4 * G + g] = -1.0f;
+    }
+    const int64_t n_t = k * mp, n_g = mp * 2 * k;
+    void *gx, *gd, *gp, *gdx, *gdp;
+    uint8_t *gt, *ggo, *ggt;
+    float *gs;
+    CHECK_CUDA(cudaMalloc(&gx, hx.size()));
+    CHECK_CUDA(cudaMalloc(&gd, hd.size()));
+    CHECK_CUDA(cudaMalloc(&gp, hp.size()));
+    CHECK_CUDA(cudaMalloc(&gdx, dx_bytes + 16));
+    CHECK_CUDA(cudaMalloc(&gdp, m * 4 + 16));
+    CHECK_CUDA(cudaMalloc(&gt, n_t + 16));
+    CHECK_CUDA(cudaMalloc(&ggo, n_g + 16));
+    CHECK_CUDA(cudaMalloc(&ggt, n_g + 16));
+    CHECK_CUDA(cudaMalloc(&gs, slots.size() * 4));
+    CHECK_CUDA(cudaMemcpy(gx, hx.data(), hx.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(gd, hd.data(), hd.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(gp, hp.data(), hp.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(gdx, 0xa5, dx_bytes + 16));
+    CHECK_CUDA(cudaMemset(gdp, 0xa5, m * 4 + 16));
+    CHECK_CUDA(cudaMemset(gt, 0xa5, n_t + 16));
+    CHECK_CUDA(cudaMemset(ggo, 0xa5, n_g + 16));
+    CHECK_CUDA(cudaMemset(ggt, 0xa5, n_g + 16));
+    CHECK_CUDA(cudaMemcpy(gs, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<uint8_t> cdx(dx_bytes, 0xa5), cdp(m * 4, 0xa5), ct(n_t, 0xa5), cgo(n_g, 0xa5), cgt(n_g, 0xa5);
+    std::vector<float> cslots = slots;
+    int64_t xs[2] = {m, 2 * k}, ds[2] = {drows, k}, ps[1] = {m}, ts[2] = {k, mp}, gos[2] = {mp, 2 * k},
+            gts[2] = {2 * k, mp}, vs[1] = {G};
+    sf_tensor splits_t;
+    sf_tensor_init(&splits_t, b.splits.data(), SF_INT64, 1, vs, SF_CPU, 0);
+    auto call = [&](int dev) {
+        sf_device_type where = dev ? SF_CUDA : SF_CPU;
+        float *sl = dev ? gs : cslots.data();
+        sf_tensor x, d, p, dx, dp, t, go, gt_, sc, si, gsc, gam, gsi;
+        sf_tensor_init(&x, dev ? gx : (void *)hx.data(), dtype, 2, xs, where, 0);
+        sf_tensor_init(&d, dev ? gd : (void *)hd.data(), dtype, 2, ds, where, 0);
+        sf_tensor_init(&p, dev ? gp : (void *)hp.data(), SF_FLOAT32, 1, ps, where, 0);
+        sf_tensor_init(&dx, dev ? gdx : (void *)cdx.data(), dtype, 2, xs, where, 0);
+        sf_tensor_init(&dp, dev ? gdp : (void *)cdp.data(), SF_FLOAT32, 1, ps, where, 0);
+        sf_tensor_init(&t, dev ? (void *)gt : (void *)ct.data(), SF_FLOAT8_E4M3, 2, ts, where, 0);
+        sf_tensor_init(&go, dev ? (void *)ggo : (void *)cgo.data(), SF_FLOAT8_E5M2, 2, gos, where, 0);
+        sf_tensor_init(&gt_, dev ? (void *)ggt : (void *)cgt.data(), SF_FLOAT8_E5M2, 2, gts, where, 0);
+        sf_tensor_init(&sc, sl, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&si, sl + G, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&gsc, sl + 2 * G, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&gam, sl + 3 * G, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&gsi, sl + 4 * G, SF_FLOAT32, 1, vs, where, 0);
+        CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&d, &x, &p, &splits_t, 16, want_dx ? &dx : NULL, &dp, &sc,
+                                                     &t, &si, grad ? &gsc : NULL, grad ? &gam : NULL,
+                                                     grad ? &go : NULL, grad ? &gt_ : NULL, grad ? &gsi : NULL,
+                                                     NULL));
+    };
+    if (timing) {
+        const float ms = time_ms([&] { call(1); });
+        /* read: gate|up, dout's real rows, probs; written: dprobs, dx, out_t, dx's two copies */
+        const double bytes = (double)dx_bytes + (double)(m * k) * es + 8.0 * m + (want_dx ? (double)dx_bytes : 0.0) +
+                             (double)n_t + (grad ? 2.0 * n_g : 0.0);
+        printf("swiglu_backward_grouped %s G=%lld rows %lld K=%lld%s%s: %.1f us (%.2f TB/s; a device copy "
+               "%.2f TB/s)\n", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
+               want_dx ? ", dx" : ", no dx", grad ? ", dx's FP8 copies" : "", ms * 1e3, bytes / (ms * 1e-3) / 1e12,
+               check_copy_tbs((size_t)(bytes / 2)));
+    } else {
+        call(0);
+        call(1);
+        std::vector<uint8_t> g_dx(dx_bytes), g_dp(m * 4), g_t(n_t + 16), g_go(n_g + 16), g_gt(n_g + 16);
+        std::vector<float> gslots(slots.size());
+        CHECK_CUDA(cudaMemcpy(g_dx.data(), gdx, dx_bytes, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(g_dp.data(), gdp, m * 4, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(g_t.data(), gt, n_t + 16, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(g_go.data(), ggo, n_g + 16, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(g_gt.data(), ggt, n_g + 16, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(gslots.data(), gs, slots.size() * 4, cudaMemcpyDeviceToHost));
+        /* dx: one rounding of the dtype apart at most (expf may differ by an ulp, products by their rounding) */
+        const double tol = dtype == SF_FLOAT32 ? 1e-5 : dtype == SF_FLOAT16 ? 2e-3 : 1.6e-2;
+        int ok = 1;
+        double worst = 0.0;
+        if (want_dx)
+            for (int64_t i = 0; i < m * 2 * k; ++i) {
+                const double c = check_load(dtype, cdx.data(), i), g = check_load(dtype, g_dx.data(), i);
+                const double e = fabs(c - g) / (fabs(c) + 1e-3);
+                worst = e > worst ? e : worst;
+                ok = ok && e <= tol;
+            }
+        else
+            ok = ok && g_dx[0] == 0xa5 && g_dx[dx_bytes - 1] == 0xa5; /* not written */
+        for (int64_t r = 0; r < m; ++r) { /* a sum over K products in another order */
+            const float c = check_load(SF_FLOAT32, cdp.data(), r), g = check_load(SF_FLOAT32, g_dp.data(), r);
+            ok = ok && fabsf(c - g) <= 1e-4f * (float)k * (0.05f + fabsf(c));
+        }
+        int64_t differ = 0;
+        const int64_t d_t = fp8_differences(ct.data(), g_t.data(), n_t);
+        ok = ok && d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xa5;
+        differ += d_t > 0 ? d_t : 0;
+        for (int o = 0; grad && o < 2; ++o) {
+            const int64_t d = fp8_differences(o ? cgt.data() : cgo.data(), o ? g_gt.data() : g_go.data(), n_g);
+            ok = ok && d >= 0 && d * 1000 <= n_g && (o ? g_gt : g_go)[n_g] == 0xa5;
+            differ += d > 0 ? d : 0;
+        }
+        for (size_t i = 0; i < slots.size(); ++i)
+            ok = ok && fabsf(cslots[i] - gslots[i]) <= fabsf(cslots[i]) * 0x1p-7f;
+        char what[240];
+        snprintf(what, sizeof what, "swiglu_backward_grouped %s G=%lld rows %lld (padded %lld) K=%lld%s%s%s "
+                 "(dx worst rel %.1e%s)", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)mp,
+                 (long long)k, want_dx ? " dx" : "", grad ? " grad copies" : "", dout_padded ? " dout padded" : "",
+                 worst, differ ? ", FP8 codes one step apart: some" : "");
+        check_report(ok, what);
+    }
+    cudaFree(gx);
+    cudaFree(gd);
+    cudaFree(gp);
+    cudaFree(gdx);
+    cudaFree(gdp);
+    cudaFree(gt);
+    cudaFree(ggo);
+    cudaFree(ggt);
+    cudaFree(gs);
+}
+
 /* 7: the weights' list cast, CPU against GPU, and its time. */
 static void run_list_case(sf_dtype dtype, int64_t G, int64_t n, int64_t k, int e5m2, int timing)
 {
@@ -697,5 +851,17 @@ int main(void)
     /* Mixtral-small's down projection input: 32,768 expert rows of 3,584 */
     for (int current = 0; current < 2; ++current)
         swiglu_grouped_time(random_splits(8, 32768), 3584, current);
+    /* 9: the SwiGLU's backward with its FP8 copies */
+    for (sf_dtype d : dtypes)
+        for (int sp : {3, 5, 7})
+            for (int64_t k : {16, 144, 272})
+                for (int variant = 0; variant < 4; ++variant)
+                    run_swiglu_backward_case(d, gsplits[sp], k, variant & 1, variant >> 1, sp == 5);
+    run_swiglu_backward_case(SF_BFLOAT16, random_splits(8, 4096), 1024, 1, 1, 1);
+    run_swiglu_backward_case(SF_BFLOAT16, random_splits(70, 3000), 400, 0, 1, 0); /* two launches */
+    /* Mixtral-small's: 32,768 expert rows of 3,584 (the FP8 backward asks for no dx); 64 experts over 4,096 rows */
+    for (int want_dx = 0; want_dx < 2; ++want_dx)
+        run_swiglu_backward_case(SF_BFLOAT16, random_splits(8, 32768), 3584, want_dx, 1 - want_dx, 1, 1);
+    run_swiglu_backward_case(SF_BFLOAT16, random_splits(64, 4096), 1408, 0, 1, 1, 1);
     return check_finish("check_cast");
 }
