@@ -916,14 +916,20 @@ __device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t
  * of a 128 x 128 tile (16-bit T: 4 rows, 48 KB a CTA; float: 2 rows, also
  * 48 KB).  The loads of the next phases stay in flight through the compute
  * and through the barriers and transposed stores that close each tile. */
+#ifndef SF_BWD_ROWS /* the check program's tuning builds (csrc/quant/tune_swiglu_backward.sh) set these */
+#define SF_BWD_ROWS 4
+#define SF_BWD_STAGES 3
+#define SF_BWD_CTAS_PER_SM 1
+#endif
 template <typename T>
 struct BwdStaging {
-    static constexpr int kRows = sizeof(T) == 4 ? 2 : 4;
+    static constexpr int kRows = sizeof(T) == 4 && SF_BWD_ROWS > 1 ? SF_BWD_ROWS / 2 : SF_BWD_ROWS;
     static constexpr int kPhases = 8 / kRows; /* per 128-column tile */
     static constexpr int kSlot = (int)sizeof(sf_raw8<T>) / 16; /* 16-byte words a thread's row segment */
     static constexpr int kBytes = kRows * 3 * kThreads * (int)sizeof(sf_raw8<T>);
 };
-constexpr int kBwdStages = 3;
+constexpr int kBwdStages = SF_BWD_STAGES;
+static_assert(kBwdStages >= 2 && 8 % SF_BWD_ROWS == 0, "the SwiGLU backward's staging");
 
 /* Phase q's copies (tile q / kPhases, rows kRows * (q % kPhases) ..) into
  * stage `st`: slot (j, tensor) of thread t at st + ((j * 3 + tensor) *
@@ -952,7 +958,7 @@ __device__ __forceinline__ void issue_bwd_phase(uint4 *st, const T *x, const T *
 }
 
 template <typename T, bool E5M2, bool CAST, bool GRAD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, SF_BWD_CTAS_PER_SM)
 grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
 {
     using S = BwdStaging<T>;
