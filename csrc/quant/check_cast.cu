@@ -42,6 +42,10 @@
  *      gradient copies, poisoned outputs.  Its time at Mixtral-small's shape
  *      (what GroupedMLP's FP8 backward asks for: no dx, both gradient copies)
  *      against a device copy's rate.
+ *  10. cast_fp8_grouped_ends (the groups' ends read on the device; plain and
+ *      SwiGLU) against the CPU backend (8's rule where SwiGLU, else bit for
+ *      bit), ends past M clamped, rows past the last end; its time at
+ *      Mixtral-small's shapes.
  */
 #include "core/check_util.h"
 #include "core/float_bits.h"
@@ -552,6 +556,90 @@ static std::vector<int64_t> random_splits(int64_t G, int64_t total)
     return s;
 }
 
+/* 10: the grouped cast with the groups' ends on the device (swiglu: of
+ * [M, 2K] gate|up pairs with probs), CPU against GPU (timing 0: FP8 codes
+ * one step apart in at most 1 in 1,000 elements where swiglu, else bit for
+ * bit; amax and scale inverses within a bf16 ulp), or its time (timing 1). */
+static void run_ends_case(sf_dtype dtype, const std::vector<int64_t> &splits, int64_t m, int64_t k, int swiglu,
+                          int timing = 0)
+{
+    if (!timing && !check_take_case())
+        return;
+    const int64_t G = (int64_t)splits.size(), xk = swiglu ? 2 * k : k;
+    const size_t es = sf_dtype_size(dtype), x_bytes = (size_t)(m * xk) * es;
+    std::vector<int32_t> ends(G);
+    int64_t e = 0;
+    for (int64_t g = 0; g < G; ++g)
+        ends[g] = (int32_t)(e += splits[g]); /* may pass m: the kernel clamps */
+    std::vector<uint8_t> hx(x_bytes + 16), hp(m * 4 + 16);
+    for (int64_t i = 0; i < m * xk; ++i)
+        check_store(dtype, hx.data(), i, rng_normal() * (1.0f + (float)((i / xk) % 5)));
+    for (int64_t r = 0; r < m; ++r)
+        check_store(SF_FLOAT32, hp.data(), r, r % 13 == 0 ? 0.0f : rng_uniform());
+    std::vector<float> slots(3 * G); /* scale, amax, scale_inv (poisoned) */
+    for (int64_t g = 0; g < G; ++g) {
+        slots[g] = 0.5f + 0.5f * (float)(g % 3);
+        slots[G + g] = g % 2 ? 0.25f : 0.0f;
+        slots[2 * G + g] = -1.0f;
+    }
+    void *gx, *gp, *ge;
+    uint8_t *go;
+    float *gs;
+    CHECK_CUDA(cudaMalloc(&gx, hx.size()));
+    CHECK_CUDA(cudaMalloc(&gp, hp.size()));
+    CHECK_CUDA(cudaMalloc(&ge, G * 4));
+    CHECK_CUDA(cudaMalloc(&go, m * k + 16));
+    CHECK_CUDA(cudaMalloc(&gs, slots.size() * 4));
+    CHECK_CUDA(cudaMemcpy(gx, hx.data(), hx.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(gp, hp.data(), hp.size(), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(ge, ends.data(), G * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(go, 0xa5, m * k + 16));
+    CHECK_CUDA(cudaMemcpy(gs, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<uint8_t> co(m * k, 0xa5), g_o(m * k + 16);
+    std::vector<float> cslots = slots, gslots(slots.size());
+    int64_t xs[2] = {m, xk}, ps[1] = {m}, os[2] = {m, k}, vs[1] = {G};
+    auto call = [&](int dev) {
+        sf_device_type where = dev ? SF_CUDA : SF_CPU;
+        float *sl = dev ? gs : cslots.data();
+        sf_tensor x, p, en, o, sc, am, si;
+        sf_tensor_init(&x, dev ? gx : (void *)hx.data(), dtype, 2, xs, where, 0);
+        sf_tensor_init(&p, dev ? gp : (void *)hp.data(), SF_FLOAT32, 1, ps, where, 0);
+        sf_tensor_init(&en, dev ? ge : (void *)ends.data(), SF_INT32, 1, vs, where, 0);
+        sf_tensor_init(&o, dev ? (void *)go : (void *)co.data(), SF_FLOAT8_E4M3, 2, os, where, 0);
+        sf_tensor_init(&sc, sl, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&am, sl + G, SF_FLOAT32, 1, vs, where, 0);
+        sf_tensor_init(&si, sl + 2 * G, SF_FLOAT32, 1, vs, where, 0);
+        CHECK_SF(sf_cast_fp8_grouped_ends(&x, swiglu ? &p : NULL, swiglu, &en, &sc, &am, &o, &si, NULL));
+    };
+    if (timing) {
+        const float ms = time_ms([&] { call(1); });
+        const double bytes = (double)x_bytes + (double)(m * k) + (swiglu ? 4.0 * m : 0.0);
+        printf("cast_grouped_ends%s %s G=%lld rows %lld K=%lld: %.1f us (%.2f TB/s; a device copy %.2f TB/s)\n",
+               swiglu ? " swiglu" : "", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k, ms * 1e3,
+               bytes / (ms * 1e-3) / 1e12, check_copy_tbs((size_t)(bytes / 2)));
+    } else {
+        call(0);
+        call(1);
+        CHECK_CUDA(cudaMemcpy(g_o.data(), go, m * k + 16, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(gslots.data(), gs, slots.size() * 4, cudaMemcpyDeviceToHost));
+        int ok = g_o[m * k] == 0xa5;
+        const int64_t d = fp8_differences(co.data(), g_o.data(), m * k);
+        ok = ok && (swiglu ? d >= 0 && d * 1000 <= m * k : d == 0);
+        for (size_t i = 0; i < slots.size(); ++i)
+            ok = ok && fabsf(cslots[i] - gslots[i]) <= fabsf(cslots[i]) * (swiglu ? 0x1p-7f : 0.0f);
+        char what[200];
+        snprintf(what, sizeof what, "cast_grouped_ends%s %s G=%lld rows %lld K=%lld%s", swiglu ? " swiglu" : "",
+                 sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
+                 d > 0 ? " (FP8 codes one step apart: some)" : "");
+        check_report(ok, what);
+    }
+    cudaFree(gx);
+    cudaFree(gp);
+    cudaFree(ge);
+    cudaFree(go);
+    cudaFree(gs);
+}
+
 /* 9: the SwiGLU's backward with its FP8 copies, CPU against GPU (timing 0),
  * or its time (timing 1: the GPU alone).  dout is dense or in padded blocks;
  * want_dx 0: dx is not written; grad: dx's E5M2 copies (row-wise and
@@ -863,5 +951,16 @@ int main(void)
     for (int want_dx = 0; want_dx < 2; ++want_dx)
         run_swiglu_backward_case(SF_BFLOAT16, random_splits(8, 32768), 3584, want_dx, 1 - want_dx, 1, 1);
     run_swiglu_backward_case(SF_BFLOAT16, random_splits(64, 4096), 1408, 0, 1, 1, 1);
+    /* 10: the grouped cast with the ends on the device */
+    for (sf_dtype d : dtypes)
+        for (int swiglu = 0; swiglu < 2; ++swiglu) {
+            run_ends_case(d, {5, 0, 37, 16}, 50, 144, swiglu); /* the last ends clamped to M */
+            run_ends_case(d, {300, 1, 0, 129, 64, 7, 1000, 33}, 1600, 272, swiglu); /* rows past the last end */
+            run_ends_case(d, random_splits(64, 3000), 3000, 16, swiglu);
+            run_ends_case(d, random_splits(8, 700), 700, 1040, swiglu);
+        }
+    /* Mixtral-small's down projection input (swiglu) and gate-up input, 8 experts */
+    run_ends_case(SF_BFLOAT16, random_splits(8, 32768), 32768, 3584, 1, 1);
+    run_ends_case(SF_BFLOAT16, random_splits(8, 32768), 32768, 1024, 0, 1);
     return check_finish("check_cast");
 }
