@@ -916,9 +916,9 @@ __device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t
  * of a 128 x 128 tile (16-bit T: 4 rows, 48 KB a CTA; float: 2 rows, also
  * 48 KB).  The loads of the next phases stay in flight through the compute
  * and through the barriers and transposed stores that close each tile. */
-#ifndef SF_BWD_ROWS /* the check program's tuning builds (csrc/quant/tune_swiglu_backward.sh) set these */
+#ifndef SF_BWD_ROWS /* the check program's tuning builds (csrc/quant/tune_cast.sh) set these */
 #define SF_BWD_ROWS 4
-#define SF_BWD_STAGES 3
+#define SF_BWD_STAGES 2
 #define SF_BWD_CTAS_PER_SM 1
 #endif
 template <typename T>
@@ -1197,8 +1197,13 @@ namespace {
  * amaxes into the global ones with one atomic per group it touched.  Rows
  * past the last end are written as zeros.  CTA 0 writes every group's
  * scale inverse. */
-constexpr int kEndsRows = 32;
-constexpr int kEndsUnroll = 4; /* a thread's 8-column vectors loaded at once (one load each was 2.07 TB/s on an H100) */
+#ifndef SF_ENDS_ROWS /* the check program's tuning builds (csrc/quant/tune_cast.sh) set these */
+#define SF_ENDS_ROWS 32
+#define SF_ENDS_UNROLL 4
+#define SF_ENDS_CTAS_PER_SM 3
+#endif
+constexpr int kEndsRows = SF_ENDS_ROWS;
+constexpr int kEndsUnroll = SF_ENDS_UNROLL; /* a thread's 8-column vectors loaded before any is used */
 
 struct EndsCast {
     const void *x, *probs;
@@ -1212,7 +1217,7 @@ struct EndsCast {
 };
 
 template <typename T, bool E5M2, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads, 3) grouped_ends_cast_kernel(EndsCast a)
+__global__ void __launch_bounds__(kThreads, SF_ENDS_CTAS_PER_SM) grouped_ends_cast_kernel(EndsCast a)
 {
     __shared__ int64_t ends[SF_CAST_ENDS_MAX_GROUPS];
     __shared__ float scales[SF_CAST_ENDS_MAX_GROUPS];
