@@ -859,9 +859,15 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * makes of dx.  A row's probability
  * gradient is a sum over all K columns, so one CTA owns whole rows: each
  * thread sums its 8 rows over its columns, the 16 threads of a row add up
- * in a fixed shuffle order, with no atomics or second pass.  The load,
- * tile and transposed-store steps are cast_transpose_tile's (kept beside
- * it: here three values are loaded a row and up to three tiles stored). */
+ * in a fixed shuffle order, with no atomics or second pass.  So the grid is
+ * one CTA per 128-row block (256 CTAs at Mixtral-small's shape, about two
+ * an SM), and each CTA keeps its own loads in flight: the rows' gate, up and
+ * dout segments are staged through shared memory with cp.async a phase
+ * ahead (BwdStaging), through the compute and through the barriers around
+ * each tile's transposed stores (loaded into registers a phase at a time,
+ * the pass ran at 1.64 TB/s on an H100; staged, 2.19).  The tile and
+ * transposed-store steps are cast_transpose_tile's (here up to three tiles
+ * are stored). */
 struct BackwardTable {
     int n, first;
     int tile_start[kGroupsPerLaunch + 1]; /* group i's 128-row blocks */
@@ -916,6 +922,10 @@ __device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t
  * of a 128 x 128 tile (16-bit T: 4 rows, 48 KB a CTA; float: 2 rows, also
  * 48 KB).  The loads of the next phases stay in flight through the compute
  * and through the barriers and transposed stores that close each tile. */
+/* Timed on an H100 at Mixtral-small's shape (32,768 rows, K 3,584, no dx,
+ * both gradient copies): rows 4 / stages 2 / 1 CTA an SM 590 us (2.19
+ * TB/s); 4 / 3 / 1 608; 2 / 2 / 2 722; the register-loaded kernel before
+ * 790 (benchmarks/results/logs/s51_call2_2bb17f8). */
 #ifndef SF_BWD_ROWS /* the check program's tuning builds (csrc/quant/tune_cast.sh) set these */
 #define SF_BWD_ROWS 4
 #define SF_BWD_STAGES 2
@@ -1197,10 +1207,15 @@ namespace {
  * amaxes into the global ones with one atomic per group it touched.  Rows
  * past the last end are written as zeros.  CTA 0 writes every group's
  * scale inverse. */
+/* Rows a CTA, vectors a thread loads at once, CTAs an SM (its register cap).
+ * Timed on an H100 at Mixtral-small's SwiGLU cast (32,768 rows, K 3,584):
+ * 8 / 2 / 4 252 us (2.33 TB/s); 16 / 2 / 4 255; 32 / 1 / any 261; 8 / 4 / 3
+ * 279; 32 / 4 / 3 286 (spills); the kernel before the row and column
+ * stepping 283 (benchmarks/results/logs/s51_call3_6339b80). */
 #ifndef SF_ENDS_ROWS /* the check program's tuning builds (csrc/quant/tune_cast.sh) set these */
-#define SF_ENDS_ROWS 32
-#define SF_ENDS_UNROLL 4
-#define SF_ENDS_CTAS_PER_SM 3
+#define SF_ENDS_ROWS 8
+#define SF_ENDS_UNROLL 2
+#define SF_ENDS_CTAS_PER_SM 4
 #endif
 constexpr int kEndsRows = SF_ENDS_ROWS;
 constexpr int kEndsUnroll = SF_ENDS_UNROLL; /* a thread's 8-column vectors loaded before any is used */
