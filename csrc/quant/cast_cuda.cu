@@ -107,6 +107,21 @@ __device__ __forceinline__ float swiglu_value(float gate, float up, float p)
         return sf_bf16_to_f32(sf_f32_to_bf16(v));
 }
 
+/* Eight values of a loaded vector as floats: x's own (plain), or the
+ * SwiGLU value of gate vector x and up vector `up` with probability p. */
+template <typename T, bool SWIGLU>
+__device__ __forceinline__ void unpack_value8(const sf_raw8<T> &x, const sf_raw8<T> &up, float p, float *v)
+{
+    sf_unpack8(x, v);
+    if constexpr (SWIGLU) {
+        float u[8];
+        sf_unpack8(up, u);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            v[e] = swiglu_value<T>(v[e], u[e], p);
+    }
+}
+
 /* Where a tile's values come from.  Plain: x [m, k].  SWIGLU: x [m, 2k] of
  * gate|up pairs and probs (dtype pd; NULL: 1), the value swiglu_value. */
 struct SwigluRows {
@@ -167,14 +182,7 @@ __device__ __forceinline__ void cast_transpose_tile(
                 uint2 w = make_uint2(0u, 0u); /* rows m..mp-1: zero padding */
                 if (ok[j]) {
                     float v[8], s[8];
-                    sf_unpack8(raw[j], v);
-                    if constexpr (SWIGLU) {
-                        float up[8];
-                        sf_unpack8(raw_up[j], up);
-#pragma unroll
-                        for (int e = 0; e < 8; ++e)
-                            v[e] = swiglu_value<T>(v[e], up[e], prob[j]);
-                    }
+                    unpack_value8<T, SWIGLU>(raw[j], raw_up[SWIGLU ? j : 0], SWIGLU ? prob[SWIGLU ? j : 0] : 1.0f, v);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
                         local_max = max(local_max, sf_abs_bits(v[e]));
@@ -1314,14 +1322,7 @@ __global__ void __launch_bounds__(kThreads, SF_ENDS_CTAS_PER_SM) grouped_ends_ca
                     cur_max = 0;
                 }
                 float v[8], s[8];
-                sf_unpack8(ra[u], v);
-                if constexpr (SWIGLU) {
-                    float up[8];
-                    sf_unpack8(rb[u], up);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        v[e] = swiglu_value<T>(v[e], up[e], p[u]);
-                }
+                unpack_value8<T, SWIGLU>(ra[u], rb[u], SWIGLU ? p[u] : 1.0f, v);
                 const float scale = scales[lo];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) {

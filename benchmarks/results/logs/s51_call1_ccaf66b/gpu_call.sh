@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First GPU call for session 51 (carry .s51/next): what s50 left unrun on a GPU.  The cuda tests of e062ae0..bafa76e
+# First GPU call of session 51 (written in s50, which could not run it; run in s51 at ccaf66b, carry .s51/next): the cuda tests of e062ae0..bafa76e
 # (the Mixtral layer's residuals folded: MultiheadAttention's residual, RMSNorm's input alias; graph_layers' split
 # checks; the attention-block graphs replaying after the eager FP8 first steps), then a same-machine A/B of the Mixtral
 # FP8 delayed rows (eager layers and attention blocks graphed) against 9df4dba's mixtral.py and norm.py over the same
