@@ -1,8 +1,9 @@
 /*
  * async_copy.cuh - Ampere-style asynchronous copies from global into shared
  * memory (cp.async), for kernels that keep loads in flight while they
- * compute or wait at a barrier: the attention kernels' tile loads and the
- * grouped SwiGLU backward's staged rows.
+ * compute or wait at a barrier (the grouped SwiGLU backward's staged rows).
+ * The attention kernels keep their own forms in attn_cuda.cuh, without the
+ * clobbers: a barrier follows each of their waits.
  *
  * A thread issues 16-byte copies, closes them into a group (commit) and
  * later waits until at most N of its groups are still in flight (wait<N>).

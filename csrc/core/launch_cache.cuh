@@ -67,13 +67,14 @@ private:
 };
 
 /* Dynamic shared memory beyond the default 48 KB needs the opt-in attribute,
- * and the limit counts the kernel's static shared memory too, so the static
- * size is asked once a kernel asks for any dynamic bytes.  The attribute
- * stays set, so the query and the set run once per kernel, device and larger
- * request, not on every call (host time per launch).  Under the cache's lock
- * the opt-in only grows: a thread asking for less than another already set
- * finds it done and leaves it.  Launches inside a CUDA graph capture then
- * make no runtime call. */
+ * and the limit counts the kernel's static shared memory too.  static_bound:
+ * what the caller knows the kernel's static shared memory to be at most; a
+ * request that fits 48 KB with it returns at once, others ask the kernel's
+ * static size.  The attribute stays set, so the query and the set run once
+ * per kernel, device and larger request, not on every call (host time per
+ * launch).  Under the cache's lock the opt-in only grows: a thread asking
+ * for less than another already set finds it done and leaves it.  Launches
+ * inside a CUDA graph capture then make no runtime call. */
 struct sf_smem_key {
     const void *kernel;
     int device;
@@ -81,12 +82,12 @@ struct sf_smem_key {
 };
 
 template <typename K>
-sf_status sf_allow_smem(const char *op, K kernel, size_t bytes, int device)
+sf_status sf_allow_smem(const char *op, K kernel, size_t bytes, size_t static_bound, int device)
 {
     constexpr size_t kDefault = 48 * 1024;
-    if (bytes == 0)
+    if (bytes + static_bound <= kDefault)
         return SF_OK;
-    static sf_launch_cache<sf_smem_key, 128> cache;
+    static sf_launch_cache<sf_smem_key, 64> cache;
     const sf_smem_key key = {(const void *)kernel, device};
     int64_t allowed;
     if (cache.find(key, &allowed) && allowed >= (int64_t)bytes)

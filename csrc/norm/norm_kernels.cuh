@@ -436,6 +436,10 @@ __global__ void __launch_bounds__(NV * VEC <= kBackwardElems ? 1024 : 512) norm_
 
 /* ---- launch code ---------------------------------------------------- */
 
+/* More than the kernels' static shared memory (the reduction scratch), for
+ * sf_allow_smem: requests below 48 KB less this need no opt-in. */
+constexpr size_t kNormStaticSmem = 4 * 1024;
+
 /* Persistent grid: at most what fits at once, with the row groups dealt out
  * evenly (every block walks ceil(groups / cap) groups, or one fewer). */
 inline int64_t balanced_grid(int64_t groups, int64_t cap)
@@ -463,7 +467,7 @@ sf_status launch_forward_nv(const ForwardParams &p, const Config &c, int device,
 {
     const size_t smem = (p.rms ? 1 : 2) * (size_t)((p.hidden + 3) & ~3) * sizeof(float);
     auto kernel = norm_forward_kernel<T, VEC, NV>;
-    SF_TRY(sf_allow_smem("norm_forward", kernel, smem, device));
+    SF_TRY(sf_allow_smem("norm_forward", kernel, smem, kNormStaticSmem, device));
     int64_t grid;
     SF_TRY(persistent_grid("norm_forward", kernel, c, smem, p.rows, device, &grid));
     kernel<<<(unsigned)grid, dim3(c.tx, c.ty), smem, stream>>>(p);
@@ -497,7 +501,7 @@ sf_status launch_backward_nv(const BackwardParams &p, const Config &c, int devic
     const size_t smem = (size_t)((p.hidden + 3) & ~3) * sizeof(float) +
                         (c.ty > 1 ? (size_t)c.tx * c.ty * VEC * sizeof(float) : 0);
     auto kernel = norm_backward_kernel<T, VEC, NV, RMS>;
-    SF_TRY(sf_allow_smem("norm_backward", kernel, smem, device));
+    SF_TRY(sf_allow_smem("norm_backward", kernel, smem, kNormStaticSmem, device));
     SF_TRY(persistent_grid("norm_backward", kernel, c, smem, p.rows, device, grid));
     if (*grid > bound)
         *grid = bound; /* the workspace holds `bound` partial rows */

@@ -869,11 +869,10 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * thread sums its 8 rows over its columns, the 16 threads of a row add up
  * in a fixed shuffle order, with no atomics or second pass.  So the grid is
  * one CTA per 128-row block (256 CTAs at Mixtral-small's shape, about two
- * an SM), and each CTA keeps its own loads in flight: the rows' gate, up and
- * dout segments are staged through shared memory with cp.async a phase
- * ahead (BwdStaging), through the compute and through the barriers around
- * each tile's transposed stores (loaded into registers a phase at a time,
- * the pass ran at 1.64 TB/s on an H100; staged, 2.19).  The tile and
+ * for each SM), and each CTA must keep its own loads in flight: the rows'
+ * gate, up and dout segments are staged through shared memory with cp.async
+ * a phase ahead (BackwardStaging), through the compute and through the
+ * barriers around each tile's transposed stores.  The tile and
  * transposed-store steps are cast_transpose_tile's (here up to three tiles
  * are stored). */
 struct BackwardTable {
@@ -924,40 +923,46 @@ __device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t
 }
 
 /* The backward's input staging: each thread copies its own rows' 8-column
- * segments of gate, up and dout into shared memory with cp.async, kBwdStages
- * phases ahead of the one it computes, and reads back only what it copied
- * (so the stages need no barrier).  A phase is kRows of the thread's 8 rows
- * of a 128 x 128 tile (16-bit T: 4 rows, 48 KB a CTA; float: 2 rows, also
- * 48 KB).  The loads of the next phases stay in flight through the compute
- * and through the barriers and transposed stores that close each tile. */
-/* Timed on an H100 at Mixtral-small's shape (32,768 rows, K 3,584, no dx,
- * both gradient copies): rows 4 / stages 2 / 1 CTA an SM 590 us (2.19
- * TB/s); 4 / 3 / 1 608; 2 / 2 / 2 722; the register-loaded kernel before
- * 790 (benchmarks/results/logs/s51_call2_2bb17f8). */
-#ifndef SF_BWD_ROWS /* the check program's tuning builds (csrc/quant/tune_cast.sh) set these */
-#define SF_BWD_ROWS 4
-#define SF_BWD_STAGES 2
-#define SF_BWD_CTAS_PER_SM 1
+ * segments of gate, up and dout into shared memory with cp.async,
+ * kBackwardStages phases ahead of the one it computes, and reads back only
+ * what it copied (so the stages need no barrier).  A phase is kRows of the
+ * thread's 8 rows of a 128 x 128 tile: ROWS for 16-bit T, half as many for
+ * float (the same bytes); ROWS 4 makes a stage 48 KB.  The loads of the next
+ * phases stay in flight through the compute and through the barriers and
+ * transposed stores that close each tile.  Timed on an H100 at Mixtral-small's
+ * shape (32,768 rows, K 3,584, no dx, both gradient copies; logs/s51_call2_*):
+ * rows 4 / stages 2 / 1 CTA an SM 590 us (2.19 TB/s); 4 / 3 / 1 608 us;
+ * 2 / 2 / 2 722 us.  Devices whose blocks get less shared memory than ROWS 4's
+ * stages and tiles (sm_86 / 89 / 120: 99 KB) run ROWS 2 (kSmallRows). */
+#ifndef SF_BACKWARD_ROWS /* tune_cast.sh's builds set these */
+#define SF_BACKWARD_ROWS 4
 #endif
-template <typename T>
-struct BwdStaging {
-    static constexpr int kRows = sizeof(T) == 4 && SF_BWD_ROWS > 1 ? SF_BWD_ROWS / 2 : SF_BWD_ROWS;
+#ifndef SF_BACKWARD_STAGES
+#define SF_BACKWARD_STAGES 2
+#endif
+#ifndef SF_BACKWARD_CTAS_PER_SM
+#define SF_BACKWARD_CTAS_PER_SM 1
+#endif
+template <typename T, int ROWS>
+struct BackwardStaging {
+    static constexpr int kRows = sizeof(T) == 4 && ROWS > 1 ? ROWS / 2 : ROWS;
     static constexpr int kPhases = 8 / kRows; /* per 128-column tile */
     static constexpr int kSlot = (int)sizeof(sf_raw8<T>) / 16; /* 16-byte words a thread's row segment */
     static constexpr int kBytes = kRows * 3 * kThreads * (int)sizeof(sf_raw8<T>);
 };
-constexpr int kBwdStages = SF_BWD_STAGES;
-static_assert(kBwdStages >= 2 && 8 % SF_BWD_ROWS == 0, "the SwiGLU backward's staging");
+constexpr int kBackwardStages = SF_BACKWARD_STAGES;
+constexpr int kSmallRows = 2;
+static_assert(kBackwardStages >= 2 && 8 % SF_BACKWARD_ROWS == 0, "the SwiGLU backward's staging");
 
 /* Phase q's copies (tile q / kPhases, rows kRows * (q % kPhases) ..) into
  * stage `st`: slot (j, tensor) of thread t at st + ((j * 3 + tensor) *
  * kThreads + t) * kSlot 16-byte words; rows past m and columns past k are
  * zero-filled (and not read). */
-template <typename T>
-__device__ __forceinline__ void issue_bwd_phase(uint4 *st, const T *x, const T *dout, int64_t m, int64_t k,
-                                                int64_t m0, int q, int lr, int lj)
+template <typename T, int ROWS>
+__device__ __forceinline__ void issue_backward_phase(uint4 *st, const T *x, const T *dout, int64_t m, int64_t k,
+                                                     int64_t m0, int q, int lr, int lj)
 {
-    using S = BwdStaging<T>;
+    using S = BackwardStaging<T, ROWS>;
     const int64_t kc = (int64_t)(q / S::kPhases) * kTile + lj * 8;
     const int ph = q % S::kPhases;
 #pragma unroll
@@ -975,12 +980,12 @@ __device__ __forceinline__ void issue_bwd_phase(uint4 *st, const T *x, const T *
     }
 }
 
-template <typename T, bool E5M2, bool CAST, bool GRAD>
-__global__ void __launch_bounds__(kThreads, SF_BWD_CTAS_PER_SM)
+template <typename T, int ROWS, bool E5M2, bool CAST, bool GRAD>
+__global__ void __launch_bounds__(kThreads, SF_BACKWARD_CTAS_PER_SM)
 grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
 {
-    using S = BwdStaging<T>;
-    extern __shared__ __align__(16) uint4 staged[]; /* kBwdStages x BwdStaging<T>::kBytes */
+    using S = BackwardStaging<T, ROWS>;
+    extern __shared__ __align__(16) uint4 staged[]; /* kBackwardStages x S::kBytes */
     __shared__ __align__(16) uint32_t tile[CAST ? kTile : 1][kWords];
     __shared__ __align__(16) uint32_t tile_g[GRAD ? kTile : 1][kWords], tile_u[GRAD ? kTile : 1][kWords];
     const int i = group_of_block(tab);
@@ -1013,18 +1018,18 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
     const int tiles_k = (int)((k + kTile - 1) / kTile), phases = tiles_k * S::kPhases;
     constexpr int kStageWords = S::kBytes / 16;
 #pragma unroll
-    for (int q = 0; q < kBwdStages - 1; ++q) {
+    for (int q = 0; q < kBackwardStages - 1; ++q) {
         if (q < phases)
-            issue_bwd_phase<T>(staged + q * kStageWords, x, dout, m, k, m0, q, lr, lj);
+            issue_backward_phase<T, ROWS>(staged + q * kStageWords, x, dout, m, k, m0, q, lr, lj);
         cp_async_commit();
     }
-    int stage = 0; /* phase q's stage: q % kBwdStages */
+    int stage = 0; /* phase q's stage: q % kBackwardStages */
     for (int kt = 0; kt < tiles_k; ++kt) {
         const int64_t k0 = (int64_t)kt * kTile, kc = k0 + lj * 8;
 #pragma unroll
         for (int ph = 0; ph < S::kPhases; ++ph) {
             const int q = kt * S::kPhases + ph;
-            cp_async_wait<kBwdStages - 2>(); /* this thread's copies of phase q have landed */
+            cp_async_wait<kBackwardStages - 2>(); /* this thread's copies of phase q have landed */
             sf_raw8<T> rg[S::kRows], ru[S::kRows], rd[S::kRows];
             const uint4 *src = staged + stage * kStageWords;
 #pragma unroll
@@ -1035,11 +1040,12 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
                 rd[j] = *reinterpret_cast<const sf_raw8<T> *>(slot + 2 * kThreads * S::kSlot);
             }
             /* refill the stage phase q - 1 used (read back in the last step) */
-            const int next = stage == 0 ? kBwdStages - 1 : stage - 1;
-            if (q + kBwdStages - 1 < phases)
-                issue_bwd_phase<T>(staged + next * kStageWords, x, dout, m, k, m0, q + kBwdStages - 1, lr, lj);
+            const int next = stage == 0 ? kBackwardStages - 1 : stage - 1;
+            if (q + kBackwardStages - 1 < phases)
+                issue_backward_phase<T, ROWS>(staged + next * kStageWords, x, dout, m, k, m0, q + kBackwardStages - 1,
+                                              lr, lj);
             cp_async_commit();
-            stage = stage == kBwdStages - 1 ? 0 : stage + 1;
+            stage = stage == kBackwardStages - 1 ? 0 : stage + 1;
 #pragma unroll
             for (int j = 0; j < S::kRows; ++j) {
                 const int jj = ph * S::kRows + j, row = lr + 16 * jj;
@@ -1140,8 +1146,18 @@ template <typename T>
 sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *a, int device, cudaStream_t stream)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
-    const size_t smem = (size_t)kBwdStages * BwdStaging<T>::kBytes;
     const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
+    /* the staging the device's blocks hold beside the kernel's static tiles (16 KB each: CAST one, GRAD two) */
+    int optin = 0;
+    SF_CUDA_TRY(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    const size_t tiles = (c ? 16384u : 128u) + (gr ? 32768u : 256u);
+    const size_t smem_big = (size_t)kBackwardStages * BackwardStaging<T, SF_BACKWARD_ROWS>::kBytes;
+    const size_t smem_small = (size_t)kBackwardStages * BackwardStaging<T, kSmallRows>::kBytes;
+    const bool big = smem_big + tiles <= (size_t)optin;
+    if (!big && smem_small + tiles > (size_t)optin)
+        return sf_fail(SF_ERR_RUNTIME, "%s: the device gives a block %d bytes of shared memory; the kernel needs %zu",
+                       op, optin, smem_small + tiles);
+    const size_t smem = big ? smem_big : smem_small;
     BackwardPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
                   a->ld_t, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
                   c ? c->scale_inv_stride : 0, a->grad_out, a->grad_out_t, gr ? gr->scale : nullptr,
@@ -1173,13 +1189,18 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
             continue;
         /* at least one CTA: with a cast it writes the scale inverses of groups with no rows */
         const int grid = blocks > 0 ? (int)blocks : 1;
-        auto kernel = !c ? (gr ? grouped_swiglu_backward_kernel<T, false, false, true>
-                               : grouped_swiglu_backward_kernel<T, false, false, false>)
-                      : c->e5m2 ? (gr ? grouped_swiglu_backward_kernel<T, true, true, true>
-                                      : grouped_swiglu_backward_kernel<T, true, true, false>)
-                                : (gr ? grouped_swiglu_backward_kernel<T, false, true, true>
-                                      : grouped_swiglu_backward_kernel<T, false, true, false>);
-        SF_TRY(sf_allow_smem(op, kernel, smem, device));
+        auto pick = [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            return !c ? (gr ? grouped_swiglu_backward_kernel<T, R, false, false, true>
+                            : grouped_swiglu_backward_kernel<T, R, false, false, false>)
+                   : c->e5m2 ? (gr ? grouped_swiglu_backward_kernel<T, R, true, true, true>
+                                   : grouped_swiglu_backward_kernel<T, R, true, true, false>)
+                             : (gr ? grouped_swiglu_backward_kernel<T, R, false, true, true>
+                                   : grouped_swiglu_backward_kernel<T, R, false, true, false>);
+        };
+        auto kernel = big ? pick(std::integral_constant<int, SF_BACKWARD_ROWS>{})
+                          : pick(std::integral_constant<int, kSmallRows>{});
+        SF_TRY(sf_allow_smem(op, kernel, smem, tiles, device));
         kernel<<<grid, kThreads, smem, stream>>>(tab, pt);
         SF_CUDA_CHECK_LAUNCH(op);
     }
@@ -1204,10 +1225,10 @@ extern "C" sf_status sf_cast_fp8_grouped_cuda(const sf_cast_grouped_args *a, int
 
 namespace {
 
-/* sf_cast_fp8_grouped_ends's kernel: CTA b casts rows b * kEndsRows ..
- * in place, every thread taking 8 columns of a row at a time, kEndsUnroll
- * such vectors loaded before any is used (rows in order, so a thread's
- * group changes at most a few times).  The groups'
+/* sf_cast_fp8_grouped_ends's kernel: CTA b casts rows b * Tiling::kRows ..
+ * in place, every thread taking 8 columns of a row at a time, kUnroll such
+ * vectors loaded before any is used (rows in order, so a thread's group
+ * changes at most a few times).  The groups'
  * ends (clamped as the grouped GEMM clamps them), scales and amaxes sit in
  * shared memory; a row's group is found by binary search over the ends;
  * each thread keeps the max |x| of its current group and folds it into the
@@ -1215,18 +1236,29 @@ namespace {
  * amaxes into the global ones with one atomic per group it touched.  Rows
  * past the last end are written as zeros.  CTA 0 writes every group's
  * scale inverse. */
-/* Rows a CTA, vectors a thread loads at once, CTAs an SM (its register cap).
- * Timed on an H100 at Mixtral-small's SwiGLU cast (32,768 rows, K 3,584):
- * 8 / 2 / 4 252 us (2.33 TB/s); 16 / 2 / 4 255; 32 / 1 / any 261; 8 / 4 / 3
- * 279; 32 / 4 / 3 286 (spills); the kernel before the row and column
- * stepping 283 (benchmarks/results/logs/s51_call3_6339b80). */
-#ifndef SF_ENDS_ROWS /* the check program's tuning builds (csrc/quant/tune_cast.sh) set these */
+/* Rows a CTA, vectors a thread loads at once, CTAs an SM (its register cap),
+ * by form.  Timed on an H100 at Mixtral-small's shapes (32,768 rows; logs/
+ * s51_call3_*): the SwiGLU cast (K 3,584) 8 / 2 / 4 252 us (2.33 TB/s),
+ * 16 / 2 / 4 255, 32 / 1 / any 261, 8 / 4 / 3 279, 32 / 4 / 3 286 (spills);
+ * the plain cast (K 1,024) 32 / 4 / 3 43.2 us (2.33 TB/s), 8 / 4 / 3 44.5,
+ * 16 / 2 / 4 45.4, 8 / 2 / 4 47.5, 32 / 1 / any 51.6. */
+#ifndef SF_ENDS_ROWS /* the SwiGLU form's; tune_cast.sh's builds set these */
 #define SF_ENDS_ROWS 8
+#endif
+#ifndef SF_ENDS_UNROLL
 #define SF_ENDS_UNROLL 2
+#endif
+#ifndef SF_ENDS_CTAS_PER_SM
 #define SF_ENDS_CTAS_PER_SM 4
 #endif
-constexpr int kEndsRows = SF_ENDS_ROWS;
-constexpr int kEndsUnroll = SF_ENDS_UNROLL; /* a thread's 8-column vectors loaded before any is used */
+template <bool SWIGLU>
+struct EndsTiling {
+    static constexpr int kRows = SF_ENDS_ROWS, kUnroll = SF_ENDS_UNROLL, kCtasPerSm = SF_ENDS_CTAS_PER_SM;
+};
+template <>
+struct EndsTiling<false> {
+    static constexpr int kRows = 32, kUnroll = 4, kCtasPerSm = 3;
+};
 
 struct EndsCast {
     const void *x, *probs;
@@ -1240,8 +1272,9 @@ struct EndsCast {
 };
 
 template <typename T, bool E5M2, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads, SF_ENDS_CTAS_PER_SM) grouped_ends_cast_kernel(EndsCast a)
+__global__ void __launch_bounds__(kThreads, EndsTiling<SWIGLU>::kCtasPerSm) grouped_ends_cast_kernel(EndsCast a)
 {
+    constexpr int kEndsRows = EndsTiling<SWIGLU>::kRows, kEndsUnroll = EndsTiling<SWIGLU>::kUnroll;
     __shared__ int64_t ends[SF_CAST_ENDS_MAX_GROUPS];
     __shared__ float scales[SF_CAST_ENDS_MAX_GROUPS];
     __shared__ unsigned maxes[SF_CAST_ENDS_MAX_GROUPS];
@@ -1266,10 +1299,11 @@ __global__ void __launch_bounds__(kThreads, SF_ENDS_CTAS_PER_SM) grouped_ends_ca
     const T *x = static_cast<const T *>(a.x);
     int cur = -1;
     uint32_t cur_max = 0;
-    /* this thread's vectors: rows r0 + lr, columns 8 lc, stepped kThreads vectors at a time (no division in the loop) */
-    const int vecs32 = (int)vecs; /* (the launch checks K / 8 fits an int) */
-    const int step_r = kThreads / vecs32, step_c = kThreads % vecs32;
-    int lr = t / vecs32, lc = t % vecs32;
+    /* this thread's vectors: rows r0 + lr, columns 8 lc, stepped kThreads
+     * vectors at a time (no division in the loop); K = 0: none */
+    const int vecs32 = (int)vecs; /* (the launch checks K / 8 + kThreads fits an int) */
+    const int step_r = vecs32 ? kThreads / vecs32 : 0, step_c = vecs32 ? kThreads % vecs32 : 0;
+    int lr = vecs32 ? t / vecs32 : kEndsRows, lc = vecs32 ? t % vecs32 : 0;
     while (lr < kEndsRows && r0 + lr < a.m) {
         /* the batch's loads first, all in flight together; then its math and stores in row order */
         sf_raw8<T> ra[kEndsUnroll], rb[kEndsUnroll];
@@ -1350,10 +1384,11 @@ extern "C" sf_status sf_cast_fp8_grouped_ends_cuda(const sf_cast_ends_args *e, i
 {
     const sf_cast_grouped_args *g = e->grouped;
     const char *op = "cast_fp8_grouped_ends";
-    const int64_t blocks = (e->m + kEndsRows - 1) / kEndsRows;
+    const int64_t rows = g->swiglu ? EndsTiling<true>::kRows : EndsTiling<false>::kRows;
+    const int64_t blocks = (e->m + rows - 1) / rows;
     if (blocks > INT_MAX)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many rows (%lld)", op, (long long)e->m);
-    if (g->k / 8 > INT_MAX)
+    if (g->k / 8 > INT_MAX - kThreads)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'x' has too many columns (%lld)", op, (long long)g->k);
     cudaStream_t stream = sf_cuda_stream(s);
     sf_cuda_device_guard guard;
