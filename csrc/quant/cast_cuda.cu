@@ -951,6 +951,8 @@ struct BackwardStaging {
     static constexpr int kBytes = kRows * 3 * kThreads * (int)sizeof(sf_raw8<T>);
 };
 constexpr int kBackwardStages = SF_BACKWARD_STAGES;
+/* The static shared memory of one of the kernel's FP8 tiles: 128 rows of kWords words where used, one row else. */
+constexpr size_t backward_tile_bytes(bool used) { return (size_t)(used ? kTile : 1) * kWords * sizeof(uint32_t); }
 constexpr int kSmallRows = 2;
 static_assert(kBackwardStages >= 2 && 8 % SF_BACKWARD_ROWS == 0, "the SwiGLU backward's staging");
 
@@ -1147,10 +1149,10 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
     const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
-    /* the staging the device's blocks hold beside the kernel's static tiles (16 KB each: CAST one, GRAD two) */
+    /* the staging the device's blocks hold beside the kernel's static tiles (CAST one, GRAD two) */
     int optin = 0;
     SF_CUDA_TRY(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const size_t tiles = (c ? 16384u : 128u) + (gr ? 32768u : 256u);
+    const size_t tiles = backward_tile_bytes(c) + 2 * backward_tile_bytes(gr);
     const size_t smem_big = (size_t)kBackwardStages * BackwardStaging<T, SF_BACKWARD_ROWS>::kBytes;
     const size_t smem_small = (size_t)kBackwardStages * BackwardStaging<T, kSmallRows>::kBytes;
     const bool big = smem_big + tiles <= (size_t)optin;

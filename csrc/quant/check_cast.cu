@@ -566,158 +566,103 @@ static void run_ends_case(sf_dtype dtype, const std::vector<int64_t> &splits, in
     if (!timing && !check_take_case())
         return;
     const int64_t G = (int64_t)splits.size(), xk = swiglu ? 2 * k : k;
-    const size_t es = sf_dtype_size(dtype), x_bytes = (size_t)(m * xk) * es;
-    std::vector<int32_t> ends(G);
-    int64_t e = 0;
-    for (int64_t g = 0; g < G; ++g)
-        ends[g] = (int32_t)(e += splits[g]); /* may pass m: the kernel clamps */
-    std::vector<uint8_t> hx(x_bytes + 16), hp(m * 4 + 16);
-    for (int64_t i = 0; i < m * xk; ++i)
-        check_store(dtype, hx.data(), i, rng_normal() * (1.0f + (float)((i / xk) % 5)));
-    for (int64_t r = 0; r < m; ++r)
-        check_store(SF_FLOAT32, hp.data(), r, r % 13 == 0 ? 0.0f : rng_uniform());
-    std::vector<float> slots(3 * G); /* scale, amax, scale_inv (poisoned) */
+    CheckBuf x(dtype, m * xk), probs(SF_FLOAT32, m), ends(SF_INT32, G), out(SF_FLOAT8_E4M3, m * k),
+        slots(SF_FLOAT32, 3 * G); /* scale, amax, scale_inv (poisoned) */
+    int32_t e = 0;
     for (int64_t g = 0; g < G; ++g) {
-        slots[g] = 0.5f + 0.5f * (float)(g % 3);
-        slots[G + g] = g % 2 ? 0.25f : 0.0f;
-        slots[2 * G + g] = -1.0f;
+        e += (int32_t)splits[g]; /* may pass m: the kernel clamps */
+        memcpy(&ends.h[4 * g], &e, 4);
+        slots.set(g, 0.5f + 0.5f * (float)(g % 3));
+        slots.set(G + g, g % 2 ? 0.25f : 0.0f);
+        slots.set(2 * G + g, -1.0f);
     }
-    void *gx, *gp, *ge;
-    uint8_t *go;
-    float *gs;
-    CHECK_CUDA(cudaMalloc(&gx, hx.size()));
-    CHECK_CUDA(cudaMalloc(&gp, hp.size()));
-    CHECK_CUDA(cudaMalloc(&ge, G * 4));
-    CHECK_CUDA(cudaMalloc(&go, m * k + 16));
-    CHECK_CUDA(cudaMalloc(&gs, slots.size() * 4));
-    CHECK_CUDA(cudaMemcpy(gx, hx.data(), hx.size(), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(gp, hp.data(), hp.size(), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(ge, ends.data(), G * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemset(go, 0xa5, m * k + 16));
-    CHECK_CUDA(cudaMemcpy(gs, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
-    std::vector<uint8_t> co(m * k, 0xa5), g_o(m * k + 16);
-    std::vector<float> cslots = slots, gslots(slots.size());
+    for (int64_t i = 0; i < m * xk; ++i)
+        x.set(i, rng_normal() * (1.0f + (float)((i / xk) % 5)));
+    for (int64_t r = 0; r < m; ++r)
+        probs.set(r, r % 13 == 0 ? 0.0f : rng_uniform());
+    for (CheckBuf *t : {&x, &probs, &ends, &slots})
+        t->up();
     int64_t xs[2] = {m, xk}, ps[1] = {m}, os[2] = {m, k}, vs[1] = {G};
     auto call = [&](int dev) {
-        sf_device_type where = dev ? SF_CUDA : SF_CPU;
-        float *sl = dev ? gs : cslots.data();
-        sf_tensor x, p, en, o, sc, am, si;
-        sf_tensor_init(&x, dev ? gx : (void *)hx.data(), dtype, 2, xs, where, 0);
-        sf_tensor_init(&p, dev ? gp : (void *)hp.data(), SF_FLOAT32, 1, ps, where, 0);
-        sf_tensor_init(&en, dev ? ge : (void *)ends.data(), SF_INT32, 1, vs, where, 0);
-        sf_tensor_init(&o, dev ? (void *)go : (void *)co.data(), SF_FLOAT8_E4M3, 2, os, where, 0);
-        sf_tensor_init(&sc, sl, SF_FLOAT32, 1, vs, where, 0);
-        sf_tensor_init(&am, sl + G, SF_FLOAT32, 1, vs, where, 0);
-        sf_tensor_init(&si, sl + 2 * G, SF_FLOAT32, 1, vs, where, 0);
-        CHECK_SF(sf_cast_fp8_grouped_ends(&x, swiglu ? &p : NULL, swiglu, &en, &sc, &am, &o, &si, NULL));
+        sf_tensor xt = x.view(2, xs, dev), pt = probs.view(1, ps, dev), en = ends.view(1, vs, dev),
+                  o = out.view(2, os, dev), sc = slots.view(1, vs, dev), am = sc, si = sc;
+        am.data = (float *)sc.data + G;
+        si.data = (float *)sc.data + 2 * G;
+        CHECK_SF(sf_cast_fp8_grouped_ends(&xt, swiglu ? &pt : NULL, swiglu, &en, &sc, &am, &o, &si, NULL));
     };
     if (timing) {
         const float ms = time_ms([&] { call(1); });
-        const double bytes = (double)x_bytes + (double)(m * k) + (swiglu ? 4.0 * m : 0.0);
+        const double bytes = (double)(m * xk) * sf_dtype_size(dtype) + (double)(m * k) + (swiglu ? 4.0 * m : 0.0);
         printf("cast_grouped_ends%s %s G=%lld rows %lld K=%lld: %.1f us (%.2f TB/s; a device copy %.2f TB/s)\n",
                swiglu ? " swiglu" : "", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k, ms * 1e3,
                bytes / (ms * 1e-3) / 1e12, check_copy_tbs((size_t)(bytes / 2)));
-    } else {
-        call(0);
-        call(1);
-        CHECK_CUDA(cudaMemcpy(g_o.data(), go, m * k + 16, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(gslots.data(), gs, slots.size() * 4, cudaMemcpyDeviceToHost));
-        int ok = g_o[m * k] == 0xa5;
-        const int64_t d = fp8_differences(co.data(), g_o.data(), m * k);
-        ok = ok && (swiglu ? d >= 0 && d * 1000 <= m * k : d == 0);
-        for (size_t i = 0; i < slots.size(); ++i)
-            ok = ok && fabsf(cslots[i] - gslots[i]) <= fabsf(cslots[i]) * (swiglu ? 0x1p-7f : 0.0f);
-        char what[200];
-        snprintf(what, sizeof what, "cast_grouped_ends%s %s G=%lld rows %lld K=%lld%s", swiglu ? " swiglu" : "",
-                 sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
-                 d > 0 ? " (FP8 codes one step apart: some)" : "");
-        check_report(ok, what);
+        return;
     }
-    cudaFree(gx);
-    cudaFree(gp);
-    cudaFree(ge);
-    cudaFree(go);
-    cudaFree(gs);
+    call(0);
+    call(1);
+    const std::vector<uint8_t> g_o = out.down(), g_slots = slots.down();
+    int ok = g_o[m * k] == 0xff; /* nothing written past the end */
+    const int64_t d = fp8_differences(out.h.data(), g_o.data(), m * k);
+    ok = ok && (swiglu ? d >= 0 && d * 1000 <= m * k : d == 0);
+    for (int64_t i = 0; i < 3 * G; ++i) {
+        const float c = check_load(SF_FLOAT32, slots.h.data(), i), g = check_load(SF_FLOAT32, g_slots.data(), i);
+        ok = ok && fabsf(c - g) <= fabsf(c) * (swiglu ? 0x1p-7f : 0.0f);
+    }
+    char what[200];
+    snprintf(what, sizeof what, "cast_grouped_ends%s %s G=%lld rows %lld K=%lld%s", swiglu ? " swiglu" : "",
+             sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
+             d > 0 ? " (FP8 codes one step apart: some)" : "");
+    check_report(ok, what);
 }
 
 /* 9: the SwiGLU's backward with its FP8 copies, CPU against GPU (timing 0),
  * or its time (timing 1: the GPU alone).  dout is dense or in padded blocks;
  * want_dx 0: dx is not written; grad: dx's E5M2 copies (row-wise and
- * transposed) with delayed scaling. */
+ * transposed) with delayed scaling.  The GPU's outputs start as 0xff (NaN in
+ * every float dtype): an unwritten element fails. */
 static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> &splits, int64_t k, int want_dx,
                                      int grad, int dout_padded, int timing = 0)
 {
     if (!timing && !check_take_case())
         return;
     GroupedBuffers b = grouped_shape(splits, k);
-    const int64_t G = b.G, m = b.m, mp = b.mp, drows = dout_padded ? mp : m;
-    const size_t es = sf_dtype_size(dtype), dx_bytes = (size_t)(m * 2 * k) * es;
-    std::vector<uint8_t> hx(dx_bytes + 16), hd((size_t)(drows * k) * es + 16), hp(m * 4 + 16);
+    const int64_t G = b.G, m = b.m, mp = b.mp, drows = dout_padded ? mp : m, n_t = k * mp, n_g = mp * 2 * k;
+    CheckBuf x(dtype, m * 2 * k), dout(dtype, drows * k), probs(SF_FLOAT32, m), dx(dtype, m * 2 * k),
+        dprobs(SF_FLOAT32, m), out_t(SF_FLOAT8_E4M3, n_t), g_out(SF_FLOAT8_E5M2, n_g), g_out_t(SF_FLOAT8_E5M2, n_g),
+        slots(SF_FLOAT32, 5 * G); /* scale, scale_inv (poisoned), grad scale, grad amax, grad scale_inv (poisoned) */
     for (int64_t i = 0; i < m * 2 * k; ++i)
-        check_store(dtype, hx.data(), i, rng_normal() * (1.0f + (float)((i / (2 * k)) % 5)));
+        x.set(i, rng_normal() * (1.0f + (float)((i / (2 * k)) % 5)));
     for (int64_t i = 0; i < drows * k; ++i)
-        check_store(dtype, hd.data(), i, rng_normal() * 0.05f);
+        dout.set(i, rng_normal() * 0.05f);
     for (int64_t r = 0; r < m; ++r)
-        check_store(SF_FLOAT32, hp.data(), r, r % 13 == 0 ? 0.0f : rng_uniform());
-    /* slots: scale, scale_inv (poisoned), grad scale, grad amax, grad scale_inv (poisoned) */
-    std::vector<float> slots(5 * G);
+        probs.set(r, r % 13 == 0 ? 0.0f : rng_uniform());
     for (int64_t g = 0; g < G; ++g) {
-        slots[g] = 0.5f + 0.5f * (float)(g % 3);
-        slots[G + g] = -1.0f;
-        slots[2 * G + g] = 64.0f + 32.0f * (float)(g % 4);
-        slots[3 * G + g] = g % 2 ? 0.5f : 0.0f;
-        slots[4 * G + g] = -1.0f;
+        slots.set(g, 0.5f + 0.5f * (float)(g % 3));
+        slots.set(G + g, -1.0f);
+        slots.set(2 * G + g, 64.0f + 32.0f * (float)(g % 4));
+        slots.set(3 * G + g, g % 2 ? 0.5f : 0.0f);
+        slots.set(4 * G + g, -1.0f);
     }
-    const int64_t n_t = k * mp, n_g = mp * 2 * k;
-    void *gx, *gd, *gp, *gdx, *gdp;
-    uint8_t *gt, *ggo, *ggt;
-    float *gs;
-    CHECK_CUDA(cudaMalloc(&gx, hx.size()));
-    CHECK_CUDA(cudaMalloc(&gd, hd.size()));
-    CHECK_CUDA(cudaMalloc(&gp, hp.size()));
-    CHECK_CUDA(cudaMalloc(&gdx, dx_bytes + 16));
-    CHECK_CUDA(cudaMalloc(&gdp, m * 4 + 16));
-    CHECK_CUDA(cudaMalloc(&gt, n_t + 16));
-    CHECK_CUDA(cudaMalloc(&ggo, n_g + 16));
-    CHECK_CUDA(cudaMalloc(&ggt, n_g + 16));
-    CHECK_CUDA(cudaMalloc(&gs, slots.size() * 4));
-    CHECK_CUDA(cudaMemcpy(gx, hx.data(), hx.size(), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(gd, hd.data(), hd.size(), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(gp, hp.data(), hp.size(), cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemset(gdx, 0xff, dx_bytes + 16)); /* NaN in every float dtype: an unwritten element fails */
-    CHECK_CUDA(cudaMemset(gdp, 0xff, m * 4 + 16));
-    CHECK_CUDA(cudaMemset(gt, 0xa5, n_t + 16));
-    CHECK_CUDA(cudaMemset(ggo, 0xa5, n_g + 16));
-    CHECK_CUDA(cudaMemset(ggt, 0xa5, n_g + 16));
-    CHECK_CUDA(cudaMemcpy(gs, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
-    std::vector<uint8_t> cdx(dx_bytes, 0xa5), cdp(m * 4, 0xa5), ct(n_t, 0xa5), cgo(n_g, 0xa5), cgt(n_g, 0xa5);
-    std::vector<float> cslots = slots;
+    for (CheckBuf *t : {&x, &dout, &probs, &slots})
+        t->up();
     int64_t xs[2] = {m, 2 * k}, ds[2] = {drows, k}, ps[1] = {m}, ts[2] = {k, mp}, gos[2] = {mp, 2 * k},
             gts[2] = {2 * k, mp}, vs[1] = {G};
     sf_tensor splits_t;
     sf_tensor_init(&splits_t, b.splits.data(), SF_INT64, 1, vs, SF_CPU, 0);
     auto call = [&](int dev) {
-        sf_device_type where = dev ? SF_CUDA : SF_CPU;
-        float *sl = dev ? gs : cslots.data();
-        sf_tensor x, d, p, dx, dp, t, go, gt_, sc, si, gsc, gam, gsi;
-        sf_tensor_init(&x, dev ? gx : (void *)hx.data(), dtype, 2, xs, where, 0);
-        sf_tensor_init(&d, dev ? gd : (void *)hd.data(), dtype, 2, ds, where, 0);
-        sf_tensor_init(&p, dev ? gp : (void *)hp.data(), SF_FLOAT32, 1, ps, where, 0);
-        sf_tensor_init(&dx, dev ? gdx : (void *)cdx.data(), dtype, 2, xs, where, 0);
-        sf_tensor_init(&dp, dev ? gdp : (void *)cdp.data(), SF_FLOAT32, 1, ps, where, 0);
-        sf_tensor_init(&t, dev ? (void *)gt : (void *)ct.data(), SF_FLOAT8_E4M3, 2, ts, where, 0);
-        sf_tensor_init(&go, dev ? (void *)ggo : (void *)cgo.data(), SF_FLOAT8_E5M2, 2, gos, where, 0);
-        sf_tensor_init(&gt_, dev ? (void *)ggt : (void *)cgt.data(), SF_FLOAT8_E5M2, 2, gts, where, 0);
-        sf_tensor_init(&sc, sl, SF_FLOAT32, 1, vs, where, 0);
-        sf_tensor_init(&si, sl + G, SF_FLOAT32, 1, vs, where, 0);
-        sf_tensor_init(&gsc, sl + 2 * G, SF_FLOAT32, 1, vs, where, 0);
-        sf_tensor_init(&gam, sl + 3 * G, SF_FLOAT32, 1, vs, where, 0);
-        sf_tensor_init(&gsi, sl + 4 * G, SF_FLOAT32, 1, vs, where, 0);
-        CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&d, &x, &p, &splits_t, 16, want_dx ? &dx : NULL, &dp, &sc,
-                                                     &t, &si, grad ? &gsc : NULL, grad ? &gam : NULL,
-                                                     grad ? &go : NULL, grad ? &gt_ : NULL, grad ? &gsi : NULL,
+        sf_tensor xt = x.view(2, xs, dev), d = dout.view(2, ds, dev), p = probs.view(1, ps, dev),
+                  dxt = dx.view(2, xs, dev), dp = dprobs.view(1, ps, dev), t = out_t.view(2, ts, dev),
+                  go = g_out.view(2, gos, dev), gt = g_out_t.view(2, gts, dev), sl[5];
+        for (int j = 0; j < 5; ++j) {
+            sl[j] = slots.view(1, vs, dev);
+            sl[j].data = (float *)sl[j].data + j * G;
+        }
+        CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&d, &xt, &p, &splits_t, 16, want_dx ? &dxt : NULL, &dp, &sl[0],
+                                                     &t, &sl[1], grad ? &sl[2] : NULL, grad ? &sl[3] : NULL,
+                                                     grad ? &go : NULL, grad ? &gt : NULL, grad ? &sl[4] : NULL,
                                                      NULL));
     };
+    const size_t es = sf_dtype_size(dtype), dx_bytes = (size_t)(m * 2 * k) * es;
     if (timing) {
         const float ms = time_ms([&] { call(1); });
         /* read: gate|up, dout's real rows, probs; written: dprobs, dx, out_t, dx's two copies */
@@ -727,61 +672,49 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
                "%.2f TB/s)\n", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
                want_dx ? ", dx" : ", no dx", grad ? ", dx's FP8 copies" : "", ms * 1e3, bytes / (ms * 1e-3) / 1e12,
                check_copy_tbs((size_t)(bytes / 2)));
-    } else {
-        call(0);
-        call(1);
-        std::vector<uint8_t> g_dx(dx_bytes + 16), g_dp(m * 4 + 16), g_t(n_t + 16), g_go(n_g + 16), g_gt(n_g + 16);
-        std::vector<float> gslots(slots.size());
-        CHECK_CUDA(cudaMemcpy(g_dx.data(), gdx, dx_bytes + 16, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(g_dp.data(), gdp, m * 4 + 16, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(g_t.data(), gt, n_t + 16, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(g_go.data(), ggo, n_g + 16, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(g_gt.data(), ggt, n_g + 16, cudaMemcpyDeviceToHost));
-        CHECK_CUDA(cudaMemcpy(gslots.data(), gs, slots.size() * 4, cudaMemcpyDeviceToHost));
-        /* dx: one rounding of the dtype apart at most (expf may differ by an ulp, products by their rounding) */
-        const double tol = dtype == SF_FLOAT32 ? 1e-5 : dtype == SF_FLOAT16 ? 2e-3 : 1.6e-2;
-        int ok = g_dx[dx_bytes] == 0xff && g_dp[m * 4] == 0xff; /* nothing written past the ends */
-        double worst = 0.0;
-        if (want_dx)
-            for (int64_t i = 0; i < m * 2 * k; ++i) {
-                const double c = check_load(dtype, cdx.data(), i), g = check_load(dtype, g_dx.data(), i);
-                const double e = fabs(c - g) / (fabs(c) + 1e-3);
-                worst = e > worst ? e : worst;
-                ok = ok && e <= tol;
-            }
-        else
-            ok = ok && g_dx[0] == 0xff && g_dx[dx_bytes - 1] == 0xff; /* not written */
-        for (int64_t r = 0; r < m; ++r) { /* a sum over K products in another order */
-            const float c = check_load(SF_FLOAT32, cdp.data(), r), g = check_load(SF_FLOAT32, g_dp.data(), r);
-            ok = ok && fabsf(c - g) <= 1e-4f * (float)k * (0.05f + fabsf(c));
-        }
-        int64_t differ = 0;
-        const int64_t d_t = fp8_differences(ct.data(), g_t.data(), n_t);
-        ok = ok && d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xa5;
-        differ += d_t > 0 ? d_t : 0;
-        for (int o = 0; grad && o < 2; ++o) {
-            const int64_t d = fp8_differences(o ? cgt.data() : cgo.data(), o ? g_gt.data() : g_go.data(), n_g);
-            ok = ok && d >= 0 && d * 1000 <= n_g && (o ? g_gt : g_go)[n_g] == 0xa5;
-            differ += d > 0 ? d : 0;
-        }
-        for (size_t i = 0; i < slots.size(); ++i)
-            ok = ok && fabsf(cslots[i] - gslots[i]) <= fabsf(cslots[i]) * 0x1p-7f;
-        char what[240];
-        snprintf(what, sizeof what, "swiglu_backward_grouped %s G=%lld rows %lld (padded %lld) K=%lld%s%s%s "
-                 "(dx worst rel %.1e%s)", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)mp,
-                 (long long)k, want_dx ? " dx" : "", grad ? " grad copies" : "", dout_padded ? " dout padded" : "",
-                 worst, differ ? ", FP8 codes one step apart: some" : "");
-        check_report(ok, what);
+        return;
     }
-    cudaFree(gx);
-    cudaFree(gd);
-    cudaFree(gp);
-    cudaFree(gdx);
-    cudaFree(gdp);
-    cudaFree(gt);
-    cudaFree(ggo);
-    cudaFree(ggt);
-    cudaFree(gs);
+    call(0);
+    call(1);
+    const std::vector<uint8_t> g_dx = dx.down(), g_dp = dprobs.down(), g_t = out_t.down(), g_go = g_out.down(),
+                               g_gt = g_out_t.down(), g_slots = slots.down();
+    /* dx: one rounding of the dtype apart at most (expf may differ by an ulp, products by their rounding) */
+    const double tol = dtype == SF_FLOAT32 ? 1e-5 : dtype == SF_FLOAT16 ? 2e-3 : 1.6e-2;
+    int ok = g_dx[dx_bytes] == 0xff && g_dp[m * 4] == 0xff; /* nothing written past the ends */
+    double worst = 0.0;
+    if (want_dx)
+        for (int64_t i = 0; i < m * 2 * k; ++i) {
+            const double c = check_load(dtype, dx.h.data(), i), g = check_load(dtype, g_dx.data(), i);
+            const double e = fabs(c - g) / (fabs(c) + 1e-3);
+            worst = e > worst ? e : worst;
+            ok = ok && e <= tol;
+        }
+    else
+        ok = ok && g_dx[0] == 0xff && g_dx[dx_bytes - 1] == 0xff; /* not written */
+    for (int64_t r = 0; r < m; ++r) { /* a sum over K products in another order */
+        const float c = check_load(SF_FLOAT32, dprobs.h.data(), r), g = check_load(SF_FLOAT32, g_dp.data(), r);
+        ok = ok && fabsf(c - g) <= 1e-4f * (float)k * (0.05f + fabsf(c));
+    }
+    int64_t differ = 0;
+    const int64_t d_t = fp8_differences(out_t.h.data(), g_t.data(), n_t);
+    ok = ok && d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xff;
+    differ += d_t > 0 ? d_t : 0;
+    for (int o = 0; grad && o < 2; ++o) {
+        const std::vector<uint8_t> &cpu = (o ? g_out_t : g_out).h, &got = o ? g_gt : g_go;
+        const int64_t d = fp8_differences(cpu.data(), got.data(), n_g);
+        ok = ok && d >= 0 && d * 1000 <= n_g && got[n_g] == 0xff;
+        differ += d > 0 ? d : 0;
+    }
+    for (int64_t i = 0; i < 5 * G; ++i) {
+        const float c = check_load(SF_FLOAT32, slots.h.data(), i), g = check_load(SF_FLOAT32, g_slots.data(), i);
+        ok = ok && fabsf(c - g) <= fabsf(c) * 0x1p-7f;
+    }
+    char what[240];
+    snprintf(what, sizeof what, "swiglu_backward_grouped %s G=%lld rows %lld (padded %lld) K=%lld%s%s%s "
+             "(dx worst rel %.1e%s)", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)mp, (long long)k,
+             want_dx ? " dx" : "", grad ? " grad copies" : "", dout_padded ? " dout padded" : "", worst,
+             differ ? ", FP8 codes one step apart: some" : "");
+    check_report(ok, what);
 }
 
 /* 7: the weights' list cast, CPU against GPU, and its time. */

@@ -181,7 +181,7 @@ class SeqfuseMixtralDecoderLayer(nn.Module):
             # (a replaced or hooked norm is called as a plain one: its hooks see a tensor, not the pair)
             n, x = norm(x, return_input_alias=True)
         else:
-            n = self.pre_mlp_layernorm(x)
+            n = norm(x)
         return x + self.mlp(n, is_first_microbatch)
 
 
