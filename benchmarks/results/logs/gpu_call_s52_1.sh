@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# First GPU call for session 52 (written in s51, which had no device time left to run it): what s51's review
-# changed after its last call (568b944 and the read-through after it: the SwiGLU backward's two-row staging for
+# Session 52's first GPU call (written in s51; ran in s52 at 8235506 on an H100 80GB, 577 s; logs in
+# s52_call1_8235506/): what s51's review changed after its last call (568b944 and the read-through after it: the SwiGLU backward's two-row staging for
 # small-shared-memory devices, the ends cast's tiling by form and its K = 0 guard, sf_allow_smem's static bound for
 # the norms, check_cast's sections 9 and 10 on CheckBuf), on one GPU: check_cast in full, the cuda tests of the
 # kernels' users, and the Mixtral rows.  From the repository root, carrying .whl (hydra-core 1.3.x, omegaconf 2.3.0,
 # antlr4-python3-runtime 4.9.3: s51 built antlr's wheel with `pip wheel --no-deps antlr4-python3-runtime==4.9.3`):
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_1_not_run.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_1.sh
 set -uo pipefail
 pack() { cp "$ROOT"/benchmarks/results/moe_mixtral_train.json "$LOG/" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .; }
 source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
