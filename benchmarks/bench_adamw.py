@@ -4,12 +4,18 @@ elements), same process, same gradients:
 - bf16 parameters with fp32 master weights (seqfuse.optim.FusedAdamW)
   against torch.optim.AdamW(fused=True) on fp32 parameters: the two ways to
   keep an fp32 copy of the weights;
+- bf16 parameters with bf16 moments and no master copy, the state
+  torch.optim.AdamW keeps for bf16 parameters (FusedAdamW with
+  master_weights=False and bf16 moments against torch fused on the same
+  parameters: the same update, the Mixtral and Llama benches' like-for-like
+  optimizer);
 - fp32 against fp32 (FusedAdamW vs torch fused and foreach);
 - the gradient 2-norm + clip (seqfuse.optim.clip_grad_norm_ vs
   torch.nn.utils.clip_grad_norm_, foreach).
 
 Bandwidth counts the bytes an update must move: bf16 + master: grad 2 +
-master 4+4 + moments 16 + param write 2 = 28 B per parameter; fp32: param
+master 4+4 + moments 16 + param write 2 = 28 B per parameter; bf16 state:
+param 2+2 + grad 2 + moments 4+4 = 14 B; fp32: param
 4+4 + grad 4 + moments 16 = 28 B.  Time is device time of optimizer.step()
 (host launch work included, L2 flushed).  Writes results/adamw.json, .png.
 """
@@ -62,6 +68,22 @@ def main():
     t_theirs = cuda_time_ms(theirs.step)
     add_case("1B params: bf16 + fp32 master vs torch fused fp32", "bf16+master vs fp32 fused", 28, t_theirs,
              [("seqfuse FusedAdamW (bf16 + master)", t_ours), ("torch AdamW fused=True (fp32)", t_theirs)])
+
+    # --- bf16 parameters, bf16 moments, no master: one update, two kernels
+    bf16 = make(torch.bfloat16)
+    ours = FusedAdamW(bf16, master_weights=False, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                      **hyper)
+    ours.step()
+    t_ours = cuda_time_ms(ours.step)
+    del ours
+    theirs_bf16 = torch.optim.AdamW(bf16, fused=True, **hyper)
+    theirs_bf16.step()
+    t_theirs_bf16 = cuda_time_ms(theirs_bf16.step)
+    add_case("1B bf16 params: bf16 moments, no master (torch's bf16 state)", "bf16 state vs bf16 fused", 14,
+             t_theirs_bf16, [("seqfuse FusedAdamW (bf16, bf16 moments)", t_ours),
+                             ("torch AdamW fused=True (bf16)", t_theirs_bf16)])
+    del theirs_bf16, bf16
+    torch.cuda.empty_cache()
 
     # --- fp32 vs fp32
     ours = FusedAdamW(fp32, **hyper)

@@ -72,6 +72,13 @@ Rows (``--rows``):
                       the experts' backward reads the routing counts on the
                       host, so the layer cannot be captured whole
                       (graph_layers' experts="auto", which logs it);
+  seqfuse_fp8_delayed_fused_adamw, seqfusegraph_fp8_delayed_fused_adamw
+                      the _torch_adamw rows with seqfuse's
+                      optimizer set to the transformers row's update and
+                      state (FusedAdamW, master_weights=False, bf16
+                      moments, every parameter decayed: the same math and
+                      4 bytes of state a parameter, on seqfuse's
+                      multi-tensor kernel instead of torch's fused one);
   seqfuse_fp8_delayed_hostsplits_torch_adamw
                       seqfuse_fp8_delayed_torch_adamw with the routing counts
                       read to the host in every MoE block, the route delayed
@@ -139,7 +146,8 @@ ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_
         "seqfuse_fp8_current", "seqfuse_fp8_block", "seqfuse_fp8_delayed_torch_adamw",
         "seqfuse_fp8_current_torch_adamw", "seqfuse_fp8_current_e4m3_torch_adamw",
         "seqfuse_fp8_current_e4m3_hostsplits_torch_adamw", "seqfusegraph_bf16_torch_adamw",
-        "seqfusegraph_fp8_current_e4m3_torch_adamw", "seqfusegraph_fp8_delayed_torch_adamw")
+        "seqfusegraph_fp8_current_e4m3_torch_adamw", "seqfusegraph_fp8_delayed_torch_adamw",
+        "seqfuse_fp8_delayed_fused_adamw", "seqfusegraph_fp8_delayed_fused_adamw")
 DEFAULT_ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16",
                 "seqfuse_bf16_torch_adamw", "seqfuse_fp8_delayed", "seqfuse_fp8_block",
                 "seqfuse_fp8_delayed_torch_adamw", "seqfusegraph_fp8_delayed_torch_adamw")
@@ -179,6 +187,18 @@ def torch_adamw(model, cfg, device):
                              weight_decay=float(t.weight_decay), fused=device.type == "cuda")
 
 
+def fused_adamw(model, cfg):
+    """seqfuse's FusedAdamW doing torch_adamw's update on the same state: bf16
+    parameters updated in place (no fp32 master), bf16 moments, every
+    parameter decayed, the recipe's hyperparameters."""
+    from seqfuse.optim import FusedAdamW
+
+    t = cfg.train
+    return FusedAdamW(model.parameters(), lr=float(t.lr), betas=tuple(float(b) for b in t.betas),
+                      eps=float(t.eps), weight_decay=float(t.weight_decay), master_weights=False,
+                      exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+
+
 def bshd_forward(model, router_logits):
     """A row's loss on a batch laid out as its unpadded [batch, seq] windows (the transformers rows and
     the graphed rows; ``router_logits``: output_router_logits, which adds the load-balancing loss)."""
@@ -209,7 +229,7 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
     model = from_hf_model(hf)
     del hf
     graphed = name.startswith("seqfusegraph_")
-    fp8 = name.split("_", 1)[1].removesuffix("_torch_adamw").removesuffix("_hostsplits")
+    fp8 = name.split("_", 1)[1].removesuffix("_torch_adamw").removesuffix("_fused_adamw").removesuffix("_hostsplits")
     overrides = []
     if fp8.endswith("_e4m3"):
         fp8 = fp8.removesuffix("_e4m3")
@@ -220,7 +240,12 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
                 m.device_splits = False
     rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}", *overrides])
     fp8_recipe = recipe.fp8_recipe(rcfg)
-    opt = torch_adamw(model, cfg, device) if name.endswith("_torch_adamw") else recipe.build_optimizer(model, rcfg)
+    if name.endswith("_torch_adamw"):
+        opt = torch_adamw(model, cfg, device)
+    elif name.endswith("_fused_adamw"):
+        opt = fused_adamw(model, cfg)
+    else:
+        opt = recipe.build_optimizer(model, rcfg)
 
     def context():
         return autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe)

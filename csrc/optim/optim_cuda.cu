@@ -10,8 +10,8 @@
  * bank, no copy, no device allocation, capturable in a CUDA graph).  Blocks
  * walk the launch's chunks grid-stride, find a chunk's tensor by binary
  * search over the prefix sum, and stream it four elements per access (16
- * bytes of fp32, 8 of 16-bit params, grads and moments) where its pointers
- * allow.
+ * bytes of fp32, 8 of 16-bit types; AdamW over 16-bit lists only: eight, 16
+ * bytes) where its pointers allow.
  *
  * The l2 norm writes one partial sum per chunk into the workspace; a final
  * single-block kernel adds them in a fixed order (deterministic) and takes the
@@ -78,6 +78,21 @@ using sf_vec::to_f;
 /* kIlp elements as one access (16 bytes of fp32, 8 of 16-bit types). */
 template <typename T> using Vec = sf_vec::Pack<T, kIlp>;
 
+/* AdamW's elements per access: 8 where every list it reads is 16-bit (no
+ * fp32 master or gradient: bf16 params, grads and moments, torch AdamW's
+ * state on bf16 params), so each access is 16 bytes; else kIlp (an fp32
+ * master is read as a float4).  SF_ADAMW_WIDE=0 builds kIlp everywhere, to
+ * time one against the other (bin/check_optim_adamw prints the bf16 state's
+ * step). */
+#ifndef SF_ADAMW_WIDE
+#define SF_ADAMW_WIDE 1
+#endif
+template <typename T, typename TG, typename TM, bool MASTER>
+constexpr int adamw_ilp()
+{
+    return SF_ADAMW_WIDE && !MASTER && sizeof(T) == 2 && sizeof(TG) == 2 && sizeof(TM) == 2 ? 2 * kIlp : kIlp;
+}
+
 __device__ __forceinline__ bool aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
 
 /* ---- AdamW ----------------------------------------------------------- */
@@ -113,41 +128,46 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
         TM *m = static_cast<TM *>(meta.ptr[2][t]) + off;
         TM *v = static_cast<TM *>(meta.ptr[3][t]) + off;
         float *w = MASTER ? static_cast<float *>(meta.ptr[4][t]) + off : nullptr;
-        bool vec = aligned(p, sizeof(T) * kIlp) && aligned(g, sizeof(TG) * kIlp) &&
-                   aligned(m, sizeof(TM) * kIlp) && aligned(v, sizeof(TM) * kIlp) && (!MASTER || aligned(w, 16));
+        constexpr int ILP = adamw_ilp<T, TG, TM, MASTER>();
+        static_assert(!MASTER || ILP == 4, "an fp32 master is read as one float4");
+        using VT = sf_vec::Pack<T, ILP>;
+        using VG = sf_vec::Pack<TG, ILP>;
+        using VM = sf_vec::Pack<TM, ILP>;
+        bool vec = aligned(p, sizeof(T) * ILP) && aligned(g, sizeof(TG) * ILP) &&
+                   aligned(m, sizeof(TM) * ILP) && aligned(v, sizeof(TM) * ILP) && (!MASTER || aligned(w, 16));
         int64_t done = 0;
         if (vec) {
-            int64_t nv = len / kIlp;
+            int64_t nv = len / ILP;
             for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
-                Vec<TG> gv = reinterpret_cast<const Vec<TG> *>(g)[i];
-                Vec<TM> mv = reinterpret_cast<const Vec<TM> *>(m)[i];
-                Vec<TM> vv = reinterpret_cast<const Vec<TM> *>(v)[i];
-                float pf[kIlp];
+                VG gv = reinterpret_cast<const VG *>(g)[i];
+                VM mv = reinterpret_cast<const VM *>(m)[i];
+                VM vv = reinterpret_cast<const VM *>(v)[i];
+                float pf[ILP];
                 if (MASTER) {
                     float4 wv = reinterpret_cast<const float4 *>(w)[i];
                     pf[0] = wv.x; pf[1] = wv.y; pf[2] = wv.z; pf[3] = wv.w;
                 } else {
-                    Vec<T> pv = reinterpret_cast<const Vec<T> *>(p)[i];
+                    VT pv = reinterpret_cast<const VT *>(p)[i];
 #pragma unroll
-                    for (int j = 0; j < kIlp; ++j)
+                    for (int j = 0; j < ILP; ++j)
                         pf[j] = to_f(pv.v[j]);
                 }
-                Vec<T> out;
+                VT out;
 #pragma unroll
-                for (int j = 0; j < kIlp; ++j) {
+                for (int j = 0; j < ILP; ++j) {
                     float mf = to_f(mv.v[j]), vf = to_f(vv.v[j]);
                     sf_adamw_update(&k, to_f(gv.v[j]), &pf[j], &mf, &vf);
                     mv.v[j] = from_f<TM>(mf);
                     vv.v[j] = from_f<TM>(vf);
                     out.v[j] = from_f<T>(pf[j]);
                 }
-                reinterpret_cast<Vec<TM> *>(m)[i] = mv;
-                reinterpret_cast<Vec<TM> *>(v)[i] = vv;
+                reinterpret_cast<VM *>(m)[i] = mv;
+                reinterpret_cast<VM *>(v)[i] = vv;
                 if (MASTER)
                     reinterpret_cast<float4 *>(w)[i] = make_float4(pf[0], pf[1], pf[2], pf[3]);
-                reinterpret_cast<Vec<T> *>(p)[i] = out;
+                reinterpret_cast<VT *>(p)[i] = out;
             }
-            done = nv * kIlp;
+            done = nv * ILP;
         }
         for (int64_t i = done + threadIdx.x; i < len; i += kBlock)
             adamw_one<T, TG, TM, MASTER>(k, p, g, m, v, w, i);
