@@ -6,7 +6,8 @@
 # profile of the graphed one.
 # The extension comes prebuilt for CPython 3.12 and sm_90a when carried (.s52/lib312, built on the development
 # machine: SEQFUSE_CUDA_ARCHS=90a python3.12 setup.py build_ext --build-temp .s52/bt312 --build-lib .s52/lib312;
-# imported from python/ through PYTHONPATH), else built here.  Carry .whl (hydra), bin, .s52/lib312:
+# imported from python/ through PYTHONPATH), else built here.  Carry .whl (hydra) and .s52/carry (lib312.tar.xz:
+# tar cJf .s52/carry/lib312.tar.xz -C .s52/lib312 seqfuse; checks.tar.xz: the three bin/ checks below):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_2.sh
 set -uo pipefail
 pack() { cp "$ROOT"/benchmarks/results/adamw.json "$LOG/" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .; }
@@ -14,6 +15,9 @@ source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
 gpu_setup s52
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "hydra installed"
+# (carried xz-compressed: the working tree and what is carried must stay under 64 MiB)
+[ -f .s52/carry/lib312.tar.xz ] && mkdir -p .s52/lib312 && tar xJf .s52/carry/lib312.tar.xz -C .s52/lib312
+[ -f .s52/carry/checks.tar.xz ] && tar xJf .s52/carry/checks.tar.xz
 so=$(ls .s52/lib312/seqfuse/_C.cpython-312-*.so 2>/dev/null)
 if [ -n "$so" ] && cp "$so" python/seqfuse/ && PYTHONPATH=python python3 -c "import seqfuse._C"; then
     export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
