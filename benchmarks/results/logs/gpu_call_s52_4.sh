@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 52's fourth GPU call, asked of an H200 (issue 18 asks for its figures there; it ran on the H100 held
-# from call 3): the Mixtral rows of call 3's first run, the extension prebuilt as in gpu_call_s52_2.sh (carry .whl and .s52/carry):
+# from call 3): the Mixtral rows of call 3's first run, the extension prebuilt as in gpu_call_s52_2.sh (carry .whl
+# and .s52/carry):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_4.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
