@@ -3,8 +3,8 @@
  * l2 norm and scale kernels.
  *
  * 150 tensors of assorted sizes (some larger than a chunk, some starting at
- * unaligned offsets, so both the vector and the scalar paths run and the
- * launches split), fp32 and bf16 with fp32 masters, with fp32 or bf16 moments:
+ * offsets of one and four elements, so the wide, four-wide and scalar paths
+ * all run and the launches split), fp32 and bf16 with fp32 masters, with fp32 or bf16 moments:
  * the GPU update must match the CPU backend (the same fp32 formula; FMA
  * contraction may move the last bit, and a value that lands near a rounding
  * boundary of a bf16 moment may then round one ulp apart).  The l2 norm must
@@ -46,7 +46,8 @@ static void run_case(sf_dtype dtype, int master, sf_dtype mdt)
     std::vector<int64_t> sizes(n), offsets(n);
     for (int i = 0; i < n; ++i) {
         sizes[i] = i == 3 ? 3 * SF_MT_CHUNK + 5 : (int64_t)(rng_next() % 5000);
-        offsets[i] = i % 7 == 1 ? 1 : 0;
+        /* one element off: the scalar path; four: 16-bit lists 8 bytes from 16-byte alignment (4-wide) */
+        offsets[i] = i % 7 == 1 ? 1 : i % 7 == 4 ? 4 : 0;
     }
     std::vector<sf_tensor> dp(n), dg(n), dm(n), dv(n), dw(n), hp(n), hg(n), hm(n), hv(n), hw(n);
     std::vector<void *> allocs;

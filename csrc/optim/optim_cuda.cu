@@ -114,10 +114,57 @@ __device__ __forceinline__ void adamw_one(const sf_adamw_consts &k, T *p, const 
     p[i] = from_f<T>(pv);
 }
 
+/* The chunk's elements [0, n) in ILP-wide accesses when every pointer
+ * allows them (returns n rounded down to ILP), else none (returns 0). */
+template <int ILP, typename T, typename TG, typename TM, bool MASTER>
+__device__ __forceinline__ int64_t adamw_vectors(const sf_adamw_consts &k, T *p, const TG *g, TM *m, TM *v,
+                                                 float *w, int64_t len)
+{
+    static_assert(!MASTER || ILP == 4, "an fp32 master is read as one float4");
+    using VT = sf_vec::Pack<T, ILP>;
+    using VG = sf_vec::Pack<TG, ILP>;
+    using VM = sf_vec::Pack<TM, ILP>;
+    if (!(aligned(p, sizeof(T) * ILP) && aligned(g, sizeof(TG) * ILP) && aligned(m, sizeof(TM) * ILP) &&
+          aligned(v, sizeof(TM) * ILP) && (!MASTER || aligned(w, 16))))
+        return 0;
+    const int64_t nv = len / ILP;
+    for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
+        VG gv = reinterpret_cast<const VG *>(g)[i];
+        VM mv = reinterpret_cast<const VM *>(m)[i];
+        VM vv = reinterpret_cast<const VM *>(v)[i];
+        float pf[ILP];
+        if (MASTER) {
+            float4 wv = reinterpret_cast<const float4 *>(w)[i];
+            pf[0] = wv.x; pf[1] = wv.y; pf[2] = wv.z; pf[3] = wv.w;
+        } else {
+            VT pv = reinterpret_cast<const VT *>(p)[i];
+#pragma unroll
+            for (int j = 0; j < ILP; ++j)
+                pf[j] = to_f(pv.v[j]);
+        }
+        VT out;
+#pragma unroll
+        for (int j = 0; j < ILP; ++j) {
+            float mf = to_f(mv.v[j]), vf = to_f(vv.v[j]);
+            sf_adamw_update(&k, to_f(gv.v[j]), &pf[j], &mf, &vf);
+            mv.v[j] = from_f<TM>(mf);
+            vv.v[j] = from_f<TM>(vf);
+            out.v[j] = from_f<T>(pf[j]);
+        }
+        reinterpret_cast<VM *>(m)[i] = mv;
+        reinterpret_cast<VM *>(v)[i] = vv;
+        if (MASTER)
+            reinterpret_cast<float4 *>(w)[i] = make_float4(pf[0], pf[1], pf[2], pf[3]);
+        reinterpret_cast<VT *>(p)[i] = out;
+    }
+    return nv * ILP;
+}
+
 template <typename T, typename TG, typename TM, bool MASTER>
 __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ MTMeta<5, kAdamTensors> meta,
                                                        const sf_adamw_consts k)
 {
+    constexpr int ILP = adamw_ilp<T, TG, TM, MASTER>();
     const int nchunks = meta.chunk_start[meta.n];
     for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
         const Chunk ch = chunk_at(meta, c);
@@ -128,47 +175,11 @@ __global__ void __launch_bounds__(kBlock) adamw_kernel(const __grid_constant__ M
         TM *m = static_cast<TM *>(meta.ptr[2][t]) + off;
         TM *v = static_cast<TM *>(meta.ptr[3][t]) + off;
         float *w = MASTER ? static_cast<float *>(meta.ptr[4][t]) + off : nullptr;
-        constexpr int ILP = adamw_ilp<T, TG, TM, MASTER>();
-        static_assert(!MASTER || ILP == 4, "an fp32 master is read as one float4");
-        using VT = sf_vec::Pack<T, ILP>;
-        using VG = sf_vec::Pack<TG, ILP>;
-        using VM = sf_vec::Pack<TM, ILP>;
-        bool vec = aligned(p, sizeof(T) * ILP) && aligned(g, sizeof(TG) * ILP) &&
-                   aligned(m, sizeof(TM) * ILP) && aligned(v, sizeof(TM) * ILP) && (!MASTER || aligned(w, 16));
-        int64_t done = 0;
-        if (vec) {
-            int64_t nv = len / ILP;
-            for (int64_t i = threadIdx.x; i < nv; i += kBlock) {
-                VG gv = reinterpret_cast<const VG *>(g)[i];
-                VM mv = reinterpret_cast<const VM *>(m)[i];
-                VM vv = reinterpret_cast<const VM *>(v)[i];
-                float pf[ILP];
-                if (MASTER) {
-                    float4 wv = reinterpret_cast<const float4 *>(w)[i];
-                    pf[0] = wv.x; pf[1] = wv.y; pf[2] = wv.z; pf[3] = wv.w;
-                } else {
-                    VT pv = reinterpret_cast<const VT *>(p)[i];
-#pragma unroll
-                    for (int j = 0; j < ILP; ++j)
-                        pf[j] = to_f(pv.v[j]);
-                }
-                VT out;
-#pragma unroll
-                for (int j = 0; j < ILP; ++j) {
-                    float mf = to_f(mv.v[j]), vf = to_f(vv.v[j]);
-                    sf_adamw_update(&k, to_f(gv.v[j]), &pf[j], &mf, &vf);
-                    mv.v[j] = from_f<TM>(mf);
-                    vv.v[j] = from_f<TM>(vf);
-                    out.v[j] = from_f<T>(pf[j]);
-                }
-                reinterpret_cast<VM *>(m)[i] = mv;
-                reinterpret_cast<VM *>(v)[i] = vv;
-                if (MASTER)
-                    reinterpret_cast<float4 *>(w)[i] = make_float4(pf[0], pf[1], pf[2], pf[3]);
-                reinterpret_cast<VT *>(p)[i] = out;
-            }
-            done = nv * ILP;
-        }
+        /* the widest accesses the pointers allow (16-bit lists 8 bytes apart from 16-byte alignment
+         * take kIlp), then the elements one by one */
+        int64_t done = adamw_vectors<ILP, T, TG, TM, MASTER>(k, p, g, m, v, w, len);
+        if (ILP != kIlp && done == 0)
+            done = adamw_vectors<kIlp, T, TG, TM, MASTER>(k, p, g, m, v, w, len);
         for (int64_t i = done + threadIdx.x; i < len; i += kBlock)
             adamw_one<T, TG, TM, MASTER>(k, p, g, m, v, w, i);
     }

@@ -6,7 +6,10 @@
 # profile of the graphed one.
 # The extension comes prebuilt for CPython 3.12 and sm_90a when carried (.s52/lib312, built on the development
 # machine: SEQFUSE_CUDA_ARCHS=90a python3.12 setup.py build_ext --build-temp .s52/bt312 --build-lib .s52/lib312;
-# imported from python/ through PYTHONPATH), else built here.  Carry .whl (hydra) and .s52/carry (lib312.tar.xz:
+# imported from python/ through PYTHONPATH), else built here.  bin/check_optim_adamw_narrow is check_adamw with the
+# old AdamW width: nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DSF_WITH_CUDA=1
+# -DSF_WORKBENCH=1 -DSF_ADAMW_WIDE=0 -Icsrc/include -Icsrc -c csrc/optim/optim_cuda.cu -o build/checks/optim_cuda_narrow.o,
+# then linked as csrc/build_checks.sh links check_adamw, with that object for csrc_optim_optim_cuda.cu.o.  Carry .whl (hydra) and .s52/carry (lib312.tar.xz:
 # tar cJf .s52/carry/lib312.tar.xz -C .s52/lib312 seqfuse; checks.tar.xz: the three bin/ checks below):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_2.sh
 set -uo pipefail

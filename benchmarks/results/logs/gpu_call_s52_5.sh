@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 52's GPU call for an H200 (issue 18 asks for its figures there): the Mixtral rows of call 3 (both runs) and
-# bench_adamw, the extension prebuilt as in gpu_call_s52_2.sh (carry .whl and .s52/carry):
+# Session 52's GPU call for an H200 (issue 18 asks for its figures there): check_cast and check_adamw after the
+# review's changes (the dx bound's terms, AdamW's four-wide path for 16-bit lists 8 bytes from 16-byte alignment),
+# the Mixtral rows of call 3 (both runs) and bench_adamw, the extension prebuilt as in gpu_call_s52_2.sh (carry .whl and .s52/carry):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_5.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
@@ -9,6 +10,7 @@ gpu_setup s52
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "hydra installed"
 [ -f .s52/carry/lib312.tar.xz ] && mkdir -p .s52/lib312 && tar xJf .s52/carry/lib312.tar.xz -C .s52/lib312
+[ -f .s52/carry/checks.tar.xz ] && tar xJf .s52/carry/checks.tar.xz
 so=$(ls .s52/lib312/seqfuse/_C.cpython-312-*.so 2>/dev/null)
 if [ -n "$so" ] && cp "$so" python/seqfuse/ && PYTHONPATH=python python3 -c "import seqfuse._C"; then
     export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
@@ -18,6 +20,9 @@ else
     rm -f python/seqfuse/_C.cpython-312-*.so
     gpu_build
 fi
+TAIL=1 run 120 check_cast bin/check_quant_cast
+grep -E "FAIL" "$LOG/check_cast.log" | head -5 | cut -c1-200
+TAIL=4 run 60 check_adamw bin/check_optim_adamw
 M="cd benchmarks && python3 moe/bench_mixtral_train.py --steps 8 --timed-passes 5 --rows"
 TAIL=9 run 200 mixtral_a bash -c "$M hf_bf16,hf_bf16_compile,seqfusegraph_fp8_delayed_fused_adamw,\
 seqfuse_fp8_delayed_fused_adamw,seqfusegraph_fp8_delayed_torch_adamw"
