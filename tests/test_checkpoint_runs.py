@@ -422,6 +422,38 @@ def test_resume_with_other_adam_moments_is_refused_naming_the_setting(run4, tmp_
     assert steps_in(d) == [2, 4]
 
 
+def test_resume_with_other_master_weights_is_refused_naming_the_setting(run4, tmp_path):
+    """The run of step 2 and 4 (saved with fp32 masters, the default) resumed with
+    train.master_weights=false: CheckpointError naming the recipe setting, before anything is
+    loaded (FusedAdamW restores master_weights from the checkpoint's groups, so the run would
+    otherwise keep the masters silently); nothing is written."""
+    d = _copy(run4, tmp_path)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        train(load_config("L0_sanity", BASE + ["train.steps=6", f"checkpoint.dir={d}",
+                                               "train.master_weights=false"]), "ddp")
+    assert str(e.value) == (f"checkpoint {step_dir(d, 4)} was saved with train.master_weights=true, this run has "
+                            "false: FusedAdamW restores the setting with the checkpoint's state, so this run's "
+                            "would be ignored.  Resume with train.master_weights=true, or start a new run in "
+                            "another checkpoint.dir")
+    assert steps_in(d) == [2, 4]
+
+
+def test_optimizer_config_check_master_weights():
+    """A checkpoint's train.master_weights against this run's; a config without the setting was saved
+    before it existed, with masters."""
+    from recipe_common.trainer import check_optimizer_config
+
+    off = load_config("L0_sanity", ["train.master_weights=false"])
+    on = load_config("L0_sanity", [])
+    check_optimizer_config("ckpt", None, off)
+    check_optimizer_config("ckpt", {"train": {"master_weights": False}}, off)
+    check_optimizer_config("ckpt", {"train": {}}, on)
+    with pytest.raises(ckpt.CheckpointError, match=r"train.master_weights=true, this run has false"):
+        check_optimizer_config("ckpt", {"train": {}}, off)
+    with pytest.raises(ckpt.CheckpointError, match=r"train.master_weights=false, this run has true"):
+        check_optimizer_config("ckpt", {"train": {"master_weights": False}}, on)
+
+
 def test_optimizer_config_check_skips_checkpoints_without_the_setting():
     from recipe_common.trainer import check_optimizer_config
 

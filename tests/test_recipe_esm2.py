@@ -113,6 +113,36 @@ def test_resume_exact_with_bf16_moments(tmp_path):
     assert all(st["master_param"].dtype == torch.float32 for st in states if "master_param" in st)
 
 
+def test_resume_exact_without_master_weights(tmp_path):
+    """train.master_weights=false with bf16 parameters and bf16 moments (the
+    update and state torch.optim.AdamW keeps for bf16 parameters): FusedAdamW
+    keeps no fp32 master, updates the bf16 parameters in place, and a
+    resumed run's losses equal the uninterrupted run's exactly."""
+    from esm2_recipe import trainer
+
+    seen = []
+    real_build = trainer.build_optimizer
+
+    def recording(model, cfg):
+        opt = real_build(model, cfg)
+        seen.append(opt)
+        return opt
+
+    trainer.build_optimizer = recording
+    try:
+        _check_resume_exact(tmp_path, ["train.master_weights=false", "train.adam_moments=bfloat16",
+                                       "precision.param_dtype=bf16"])
+    finally:
+        trainer.build_optimizer = real_build
+    opt = seen[-1]
+    assert all(g["master_weights"] is False for g in opt.param_groups)
+    states = [st for st in opt.state.values() if st]
+    assert states and not any("master_param" in st for st in states)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert params and all(p.dtype == torch.bfloat16 for p in params)
+    assert all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 for st in states)
+
+
 def _check_resume_exact(tmp_path, extra):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     base = TINY + ["train.steps=8", "train.grad_accum=2"] + extra

@@ -238,6 +238,10 @@ class TrainConfig:
     adam_moments: str = rule("float32", Choice("float32", "bfloat16"),
                              "FusedAdamW's moment dtype: bfloat16 keeps 4 bytes a parameter less (the moments "
                              "read, updated in fp32 and stored rounded); the fp32 master weights stay")
+    master_weights: bool = rule(True, Bool(),
+                                "FusedAdamW's fp32 master copy of each bf16 / fp16 parameter (false: the update "
+                                "runs on the parameter itself, 4 bytes a parameter less; with adam_moments="
+                                "bfloat16 that is torch.optim.AdamW's update and state on bf16 parameters)")
     clip_grad_norm: Optional[float] = rule(1.0, Float(0.0, lo_open=True, optional=True, null_means="no clipping"))
     seed: int = rule(42, Int(0))
     eval_interval: int = rule(100, Int(0))

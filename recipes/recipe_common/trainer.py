@@ -250,8 +250,8 @@ def wrap_model(model, layers, strategy, world, device, cfg, log):
 
 
 def build_optimizer(model, cfg):
-    """FusedAdamW (fp32 master weights, moments in train.adam_moments) with
-    decay on matrices only.  Under FSDP2 the parameters are DTensor shards:
+    """FusedAdamW (fp32 master weights unless train.master_weights is false,
+    moments in train.adam_moments) with decay on matrices only.  Under FSDP2 the parameters are DTensor shards:
     FusedAdamW updates the local shards and keeps its state (moments, fp32
     masters) sharded like them."""
     from seqfuse.optim import FusedAdamW
@@ -266,7 +266,7 @@ def build_optimizer(model, cfg):
     t = cfg.train
     moments = getattr(torch, t.get("adam_moments", "float32"))
     kw = dict(lr=float(t.lr), betas=tuple(float(b) for b in t.betas), eps=float(t.eps), exp_avg_dtype=moments,
-              exp_avg_sq_dtype=moments)
+              exp_avg_sq_dtype=moments, master_weights=bool(t.get("master_weights", True)))
     return FusedAdamW(groups, **kw)
 
 
@@ -587,17 +587,32 @@ def check_model_config(path, saved_config, cfg):
 
 def check_optimizer_config(path, saved_config, cfg):
     """CheckpointError where checkpoint ``path`` was saved with another
-    train.adam_moments than this run's: FusedAdamW refuses to load moments
-    into another dtype (their precision would change), and a recipe user
-    sets the dtype here, not in the optimizer's arguments its message names.
-    A checkpoint without a recorded config (or setting) is not compared."""
-    was = (_saved_section(saved_config, "train") or {}).get("adam_moments")
+    train.adam_moments or train.master_weights than this run's, naming the
+    recipe setting (a recipe user sets them here, not in the optimizer's
+    arguments): FusedAdamW refuses to load moments into another dtype (their
+    precision would change), and it restores master_weights from the saved
+    groups, so a run resumed with another setting would silently keep the
+    checkpoint's.  A checkpoint without a recorded config is not compared;
+    one whose config lacks adam_moments is not compared on it, and one
+    without master_weights was saved before the setting existed, with
+    masters (true)."""
+    train = _saved_section(saved_config, "train")
+    if train is None:
+        return
+    was = train.get("adam_moments")
     now = cfg.train.get("adam_moments", "float32")
     if was is not None and was != now:
         raise ckpt.CheckpointError(
             f"checkpoint {path} was saved with train.adam_moments={was}, this run has {now}: its Adam moments "
             f"would be loaded into another precision.  Resume with train.adam_moments={was}, or start a new run "
             f"in another checkpoint.dir")
+    was, now = bool(train.get("master_weights", True)), bool(cfg.train.get("master_weights", True))
+    if was != now:
+        name = {True: "true", False: "false"}
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was saved with train.master_weights={name[was]}, this run has {name[now]}: "
+            f"FusedAdamW restores the setting with the checkpoint's state, so this run's would be ignored.  "
+            f"Resume with train.master_weights={name[was]}, or start a new run in another checkpoint.dir")
 
 
 def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
