@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Session 52's GPU call for an H200 (issue 18 asks for its figures there): check_cast and check_adamw after the
+# A GPU call for an H200 (issue 18 asks for its figures there), written in s52, whose H200 tries were all refused: check_cast and check_adamw after the
 # review's changes (the dx bound's terms, AdamW's four-wide path for 16-bit lists 8 bytes from 16-byte alignment),
 # the Mixtral rows of call 3 (both runs) and bench_adamw, the extension prebuilt as in gpu_call_s52_2.sh (carry .whl and .s52/carry):
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_5.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s53_1_not_run.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
 source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
