@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# A GPU call for an H200 (issue 18 asks for its figures there), written in s52, whose H200 tries were all refused: check_cast and check_adamw after the
-# review's changes (the dx bound's terms, AdamW's four-wide path for 16-bit lists 8 bytes from 16-byte alignment),
-# the Mixtral rows of call 3 (both runs) and bench_adamw, the extension prebuilt as in gpu_call_s52_2.sh (carry .whl and .s52/carry):
+# A GPU call for an H200 (issue 18 asks for its figures there), written in s52, whose H200 tries were all refused:
+# check_cast and check_adamw, the Mixtral rows (hf_bf16, hf_bf16_compile, the graphed and eager-layer FP8 delayed
+# rows with FusedAdamW, the graphed one with torch AdamW; then hf_bf16 and the graphed FusedAdamW row again) and
+# bench_adamw.  The extension comes prebuilt for CPython 3.12 / sm_90a (about 2 minutes here, against 3.5 on the
+# device), the checks beside it, both xz-compressed (the tree and what is carried must stay under 64 MiB):
+#   /root/.pyenv/versions/3.12.1/bin/python3.12 -m pip install -q setuptools wheel
+#   SEQFUSE_CUDA_ARCHS=90a MAX_JOBS=2 /root/.pyenv/versions/3.12.1/bin/python3.12 setup.py build_ext \
+#       --build-temp .s52/bt312 --build-lib .s52/lib312
+#   JOBS=2 bash csrc/build_checks.sh quant optim
+#   mkdir -p .s52/carry && tar cJf .s52/carry/lib312.tar.xz -C .s52/lib312 seqfuse \
+#       && tar cJf .s52/carry/checks.tar.xz bin/check_quant_cast bin/check_optim_adamw
+# and hydra's wheels in .whl (pip download --no-deps hydra-core==1.3.2 omegaconf==2.3.0; pip wheel --no-deps
+# antlr4-python3-runtime==4.9.3).  Carry .whl and .s52/carry:
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s53_1_not_run.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
