@@ -10,6 +10,14 @@
 #                      TERM (the device call's time limit) exits 143 through it
 #   gpu_build          the editable build with 16 jobs, its log $LOG/build.log;
 #                      a failed build prints the log's tail and ends the script
+#   gpu_extension DIR  the extension built on the development machine where DIR
+#                      holds it (DIR/lib312.tar.xz: seqfuse/_C.cpython-312-*.so,
+#                      built with SEQFUSE_CUDA_ARCHS=90a python3.12 setup.py
+#                      build_ext; DIR/checks.tar.xz: bin/ checks, unpacked in
+#                      place), imported from python/ through PYTHONPATH; else,
+#                      or where it does not import, gpu_build (said either way).
+#                      Carried xz-compressed: the tree and what is carried must
+#                      stay under 64 MiB
 #   run LIMIT NAME CMD...
 #                      CMD with a LIMIT-second limit, its output in $LOG/NAME.log,
 #                      then the log's last ${TAIL:-25} lines; a failure sets
@@ -34,6 +42,23 @@ gpu_build() {
     MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOG/build.log" 2>&1 \
         || { tail -30 "$LOG/build.log"; echo BUILD FAILED; exit 1; }
     echo "build $(( $(date +%s) - began )) s"
+}
+
+gpu_extension() {
+    local dir=$1 so
+    [ -f "$dir/checks.tar.xz" ] && tar xJf "$dir/checks.tar.xz"
+    if [ -f "$dir/lib312.tar.xz" ]; then
+        mkdir -p "$dir/lib312" && tar xJf "$dir/lib312.tar.xz" -C "$dir/lib312"
+        so=$(ls "$dir"/lib312/seqfuse/_C.cpython-312-*.so 2>/dev/null | head -1)
+    fi
+    if [ -n "${so:-}" ] && cp "$so" python/seqfuse/ && PYTHONPATH=python python3 -c "import seqfuse._C"; then
+        export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+        echo "prebuilt extension: $(basename "$so")"
+    else
+        echo "no usable prebuilt extension in $dir: building"
+        rm -f python/seqfuse/_C.cpython-312-*.so
+        gpu_build
+    fi
 }
 
 run() {

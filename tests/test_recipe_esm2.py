@@ -3,6 +3,7 @@ UniProt subset: config loading, the LR schedule, L0_sanity trains (the loss
 falls), stop-and-resume equals the uninterrupted run, checkpoints are atomic,
 the export loads in transformers, and a two-process gloo FSDP2 run under
 torchrun (sharded DCP checkpoint, resume and export included)."""
+import contextlib
 import json
 import math
 import os
@@ -93,21 +94,8 @@ def test_resume_exact_with_bf16_moments(tmp_path):
     """train.adam_moments=bfloat16: FusedAdamW keeps bf16 moments (fp32
     masters), the checkpoint holds them as saved, and a resumed run's losses
     equal the uninterrupted run's exactly."""
-    from esm2_recipe import trainer
-
-    seen = []
-    real_build = trainer.build_optimizer
-
-    def recording(model, cfg):
-        opt = real_build(model, cfg)
-        seen.append(opt)
-        return opt
-
-    trainer.build_optimizer = recording
-    try:
+    with _built_optimizers() as seen:
         _check_resume_exact(tmp_path, ["train.adam_moments=bfloat16"])
-    finally:
-        trainer.build_optimizer = real_build
     states = [st for st in seen[-1].state.values() if st]
     assert states and all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 for st in states)
     assert all(st["master_param"].dtype == torch.float32 for st in states if "master_param" in st)
@@ -118,22 +106,9 @@ def test_resume_exact_without_master_weights(tmp_path):
     update and state torch.optim.AdamW keeps for bf16 parameters): FusedAdamW
     keeps no fp32 master, updates the bf16 parameters in place, and a
     resumed run's losses equal the uninterrupted run's exactly."""
-    from esm2_recipe import trainer
-
-    seen = []
-    real_build = trainer.build_optimizer
-
-    def recording(model, cfg):
-        opt = real_build(model, cfg)
-        seen.append(opt)
-        return opt
-
-    trainer.build_optimizer = recording
-    try:
+    with _built_optimizers() as seen:
         _check_resume_exact(tmp_path, ["train.master_weights=false", "train.adam_moments=bfloat16",
                                        "precision.param_dtype=bf16"])
-    finally:
-        trainer.build_optimizer = real_build
     opt = seen[-1]
     assert all(g["master_weights"] is False for g in opt.param_groups)
     states = [st for st in opt.state.values() if st]
@@ -141,6 +116,30 @@ def test_resume_exact_without_master_weights(tmp_path):
     params = [p for g in opt.param_groups for p in g["params"]]
     assert params and all(p.dtype == torch.bfloat16 for p in params)
     assert all(st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 for st in states)
+
+
+@contextlib.contextmanager
+def _built_optimizers(step_pre_hook=None):
+    """The list of every optimizer the ESM-2 trainer builds inside the block
+    (its build_optimizer wrapped, restored after), each given
+    ``step_pre_hook`` where one is passed."""
+    from esm2_recipe import trainer
+
+    seen = []
+    real_build = trainer.build_optimizer
+
+    def recording(model, cfg):
+        opt = real_build(model, cfg)
+        if step_pre_hook is not None:
+            opt.register_step_pre_hook(step_pre_hook)
+        seen.append(opt)
+        return opt
+
+    trainer.build_optimizer = recording
+    try:
+        yield seen
+    finally:
+        trainer.build_optimizer = real_build
 
 
 def _check_resume_exact(tmp_path, extra):
@@ -179,25 +178,14 @@ def test_resume_into_a_longer_schedule(tmp_path):
     """A run checkpointed at the end of a 3-step schedule, resumed with
     train.steps=6: the first resumed step trains at the 6-step schedule's
     LR for step index 3 (not the stale LR the optimizer state carried)."""
-    from esm2_recipe import trainer
-
     d = tmp_path / "ck"
     base = TINY + [f"checkpoint.dir={d}", "train.decay=linear", "train.min_lr_ratio=0.1"]
     train(load_config("L0_sanity", base + ["train.steps=3"]), "ddp")
     seen = []
-    real_build = trainer.build_optimizer
-
-    def recording(model, cfg):
-        opt = real_build(model, cfg)
-        opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["lr"]))
-        return opt
-
-    trainer.build_optimizer = recording
-    try:
+    hook = lambda o, args, kwargs: seen.append(o.param_groups[0]["lr"])  # noqa: E731
+    with _built_optimizers(hook):
         cfg6 = load_config("L0_sanity", base + ["train.steps=6"])
         out = train(cfg6, "ddp")
-    finally:
-        trainer.build_optimizer = real_build
     # the first step() is torch DCP's state initialisation inside the load (lr 0)
     assert out["final_step"] == 6 and len(seen) == 4 and seen[0] == 0.0
     seen = seen[1:]

@@ -14,22 +14,11 @@
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_2.sh
 set -uo pipefail
 pack() { cp "$ROOT"/benchmarks/results/adamw.json "$LOG/" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .; }
-source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
+source benchmarks/gpu_lib.sh  # gpu_setup, gpu_extension, gpu_build, run
 gpu_setup s52
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "hydra installed"
-# (carried xz-compressed: the working tree and what is carried must stay under 64 MiB)
-[ -f .s52/carry/lib312.tar.xz ] && mkdir -p .s52/lib312 && tar xJf .s52/carry/lib312.tar.xz -C .s52/lib312
-[ -f .s52/carry/checks.tar.xz ] && tar xJf .s52/carry/checks.tar.xz
-so=$(ls .s52/lib312/seqfuse/_C.cpython-312-*.so 2>/dev/null)
-if [ -n "$so" ] && cp "$so" python/seqfuse/ && PYTHONPATH=python python3 -c "import seqfuse._C"; then
-    export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
-    echo "prebuilt extension: $(basename "$so")"
-else
-    echo "no usable prebuilt extension: building"
-    rm -f python/seqfuse/_C.cpython-312-*.so
-    gpu_build
-fi
+gpu_extension .s52/carry
 TAIL=1 run 150 check_cast bin/check_quant_cast
 grep -E "FAIL" "$LOG/check_cast.log" | head -5 | cut -c1-200
 TAIL=4 run 60 check_adamw bin/check_optim_adamw

@@ -5,20 +5,11 @@
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s52_4.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
-source benchmarks/gpu_lib.sh  # gpu_setup, gpu_build, run
+source benchmarks/gpu_lib.sh  # gpu_setup, gpu_extension, gpu_build, run
 gpu_setup s52
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "hydra installed"
-[ -f .s52/carry/lib312.tar.xz ] && mkdir -p .s52/lib312 && tar xJf .s52/carry/lib312.tar.xz -C .s52/lib312
-so=$(ls .s52/lib312/seqfuse/_C.cpython-312-*.so 2>/dev/null)
-if [ -n "$so" ] && cp "$so" python/seqfuse/ && PYTHONPATH=python python3 -c "import seqfuse._C"; then
-    export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
-    echo "prebuilt extension: $(basename "$so")"
-else
-    echo "no usable prebuilt extension: building"
-    rm -f python/seqfuse/_C.cpython-312-*.so
-    gpu_build
-fi
+gpu_extension .s52/carry
 M="cd benchmarks && python3 moe/bench_mixtral_train.py --steps 8 --timed-passes 5 --rows"
 TAIL=9 run 200 mixtral_a bash -c "$M hf_bf16,hf_bf16_compile,seqfusegraph_fp8_delayed_fused_adamw,\
 seqfuse_fp8_delayed_fused_adamw,seqfusegraph_fp8_delayed_torch_adamw"
