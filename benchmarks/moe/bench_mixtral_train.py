@@ -200,6 +200,16 @@ def fused_adamw(model, cfg):
                       exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
 
 
+def optimizer_of(name):
+    """What steps row ``name``'s weights (recorded with each row)."""
+    if name.startswith("hf_") or name.endswith("_torch_adamw"):
+        return "torch.optim.AdamW (fused on the GPU): bf16 moments, no master, every parameter decayed"
+    if name.endswith("_fused_adamw"):
+        return ("seqfuse FusedAdamW(master_weights=False, bf16 moments): torch AdamW's update and state, every "
+                "parameter decayed")
+    return "the recipe's FusedAdamW: fp32 masters, moments in train.adam_moments, decay on matrices only"
+
+
 def bshd_forward(model, router_logits):
     """A row's loss on a batch laid out as its unpadded [batch, seq] windows (the transformers rows and
     the graphed rows; ``router_logits``: output_router_logits, which adds the load-balancing loss)."""
@@ -425,7 +435,8 @@ def main(argv=None):
         done[name] = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
                           first_loss=first, final_loss=final,
-                          pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries)
+                          pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries,
+                          optimizer=optimizer_of(name))
         log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before), "
             f"{queries:.2f} cuBLASLt heuristic queries a timed step")
     add_ratios(done)
