@@ -719,3 +719,33 @@ def test_step_bumps_versions_so_fp8_weight_caches_refresh(seed):
     old = x @ w_old.t() + lin.bias.detach()
     assert rel_error(old, new) > 0.2  # the update is large enough to tell the two apart
     assert rel_error(y, new) < 0.1, (rel_error(y, new), rel_error(y, old))
+
+
+def test_list_refusals_name_the_item():
+    """A refused tensor of a multi-tensor op's list is named with its index, by the
+    binding (not a tensor) and by each op's checks (wrong size, shared memory, another
+    dtype): the checks run under the bare list names first and name the item only for
+    the message."""
+    def z(n=4, dtype=torch.float32):
+        return torch.zeros(n, dtype=dtype)
+
+    ps = [z() for _ in range(3)]
+    # (the checked op refuses a non-tensor in Python; FusedAdamW's path leaves it to the binding)
+    from seqfuse.ops.optim import multi_tensor_adamw_prechecked
+
+    with pytest.raises(TypeError, match=r"argument 'grads\[1\]' must be a tensor supporting DLPack"):
+        multi_tensor_adamw_prechecked(ps, [z(), "x", z()], [z() for _ in range(3)], [z() for _ in range(3)], None,
+                                      1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"argument 'grads\[2\]' must have 4 element\(s\), got 5"):
+        multi_tensor_adamw(ps, [z(), z(), z(5)], [z() for _ in range(3)], [z() for _ in range(3)], None, 1e-3,
+                           0.9, 0.999, 1e-8, 0.0, 1)
+    shared = [z() for _ in range(3)]
+    with pytest.raises(ValueError, match=r"outputs 'exp_avg\[0\]' and 'exp_avg_sq\[0\]' share memory"):
+        multi_tensor_adamw(ps, [z() for _ in range(3)], shared, shared, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    with pytest.raises(TypeError, match=r"argument 'exp_avg_sq\[1\]' must have dtype float32"):
+        multi_tensor_adamw(ps, [z() for _ in range(3)], [z() for _ in range(3)],
+                           [z(), z(dtype=torch.bfloat16), z()], None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"argument 'tensors\[1\]' must be contiguous"):
+        multi_tensor_l2norm([z(), torch.zeros(4, 2)[:, 0]])
+    with pytest.raises(TypeError, match=r"'tensors\[2\]'"):
+        multi_tensor_scale([z(), z(), torch.zeros(4, dtype=torch.int32)], 0.5)

@@ -22,22 +22,64 @@ static const char *item(char *buf, size_t size, const char *list, int64_t i)
     return buf;
 }
 
-static sf_status check_item(const char *op, const char *list, int64_t i, const sf_tensor *t,
-                            const sf_tensor *first, int writable)
+static sf_status check_item(const char *op, const char *name, const sf_tensor *t, const sf_tensor *first,
+                            int writable)
 {
-    char name[64];
-    item(name, sizeof name, list, i);
     SF_TRY(sf_check_contiguous(op, name, t));
     if (writable)
         SF_TRY(sf_check_writable(op, name, t));
     return sf_check_same_device(op, "params[0]", first, name, t);
 }
 
+/* The indexed names ("params[3]") cost a formatting each, per tensor and
+ * step: an entry's checks run first under the lists' bare names, and again
+ * with the indexed ones only where one fails, for the message (the checks
+ * are pure, so the second pass fails at the same one). */
+#define SF_NAME(buf, list, i, named) ((named) ? item(buf, sizeof buf, list, i) : list)
+
 static sf_status check_count(const char *op, int64_t n)
 {
     if (n < 0)
         return sf_fail(SF_ERR_VALUE, "%s: the tensor count must be >= 0, got %lld", op, (long long)n);
     return SF_OK;
+}
+
+/* Parameter i's four (five) tensors against params[0]'s dtype pd, the
+ * gradients' gd and the moments' md; ``named``: messages name "params[i]"
+ * (else the bare list, on the quick pass). */
+static sf_status check_adamw_entry(const char *op, int64_t i, int named, sf_tensor *params, const sf_tensor *grads,
+                                   sf_tensor *exp_avg, sf_tensor *exp_avg_sq, sf_tensor *master, sf_dtype pd,
+                                   sf_dtype gd, sf_dtype md)
+{
+    char np[64], ng[64], nm[64], nv[64], nw[64];
+    const char *p_name = SF_NAME(np, "params", i, named), *g_name = SF_NAME(ng, "grads", i, named),
+               *m_name = SF_NAME(nm, "exp_avg", i, named), *v_name = SF_NAME(nv, "exp_avg_sq", i, named),
+               *w_name = SF_NAME(nw, "master", i, named);
+    const int64_t numel = sf_numel(&params[i]);
+    SF_TRY(sf_check_dtype(op, p_name, &params[i], pd));
+    SF_TRY(check_item(op, p_name, &params[i], &params[0], 1));
+    SF_TRY(sf_check_dtype(op, g_name, &grads[i], gd));
+    SF_TRY(sf_check_numel(op, g_name, &grads[i], numel));
+    SF_TRY(check_item(op, g_name, &grads[i], &params[0], 0));
+    SF_TRY(sf_check_dtype(op, m_name, &exp_avg[i], md));
+    SF_TRY(sf_check_numel(op, m_name, &exp_avg[i], numel));
+    SF_TRY(check_item(op, m_name, &exp_avg[i], &params[0], 1));
+    if (exp_avg_sq[i].dtype != md)
+        return sf_fail(SF_ERR_TYPE, "%s: argument '%s' must have dtype %s (exp_avg's: both moment lists take one "
+                       "dtype), got %s", op, v_name, sf_dtype_name(md), sf_dtype_name(exp_avg_sq[i].dtype));
+    SF_TRY(sf_check_numel(op, v_name, &exp_avg_sq[i], numel));
+    SF_TRY(check_item(op, v_name, &exp_avg_sq[i], &params[0], 1));
+    if (master != NULL) {
+        SF_TRY(sf_check_dtype(op, w_name, &master[i], SF_FLOAT32));
+        SF_TRY(sf_check_numel(op, w_name, &master[i], numel));
+        SF_TRY(check_item(op, w_name, &master[i], &params[0], 1));
+    }
+    /* the four (five) tensors of one parameter, each of its own memory (the kernel reads and writes them
+     * element by element in one pass; a moment list passed twice would leave one moment in both) */
+    sf_mem_arg outs[] = {{p_name, &params[i], NULL}, {m_name, &exp_avg[i], NULL}, {v_name, &exp_avg_sq[i], NULL},
+                         {w_name, master ? &master[i] : NULL, NULL}};
+    sf_mem_arg ins[] = {{g_name, &grads[i], NULL}};
+    return sf_check_apart(op, outs, 4, ins, 1);
 }
 
 sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *grads,
@@ -75,44 +117,12 @@ sf_status sf_multi_tensor_adamw(int64_t n, sf_tensor *params, const sf_tensor *g
                        op, sf_dtype_name(md));
     if (master != NULL && pd == SF_FLOAT32)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'master' is for fp16/bf16 params; params are float32", op);
-    char name[64];
     for (int64_t i = 0; i < n; ++i) {
-        int64_t numel = sf_numel(&params[i]);
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "params", i), &params[i], pd));
-        SF_TRY(check_item(op, "params", i, &params[i], &params[0], 1));
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "grads", i), &grads[i], gd));
-        SF_TRY(sf_check_numel(op, name, &grads[i], numel));
-        SF_TRY(check_item(op, "grads", i, &grads[i], &params[0], 0));
-        SF_TRY(sf_check_dtype(op, item(name, sizeof name, "exp_avg", i), &exp_avg[i], md));
-        SF_TRY(sf_check_numel(op, name, &exp_avg[i], numel));
-        SF_TRY(check_item(op, "exp_avg", i, &exp_avg[i], &params[0], 1));
-        if (exp_avg_sq[i].dtype != md)
-            return sf_fail(SF_ERR_TYPE, "%s: argument 'exp_avg_sq[%lld]' must have dtype %s (exp_avg's: both moment "
-                           "lists take one dtype), got %s", op, (long long)i, sf_dtype_name(md),
-                           sf_dtype_name(exp_avg_sq[i].dtype));
-        item(name, sizeof name, "exp_avg_sq", i);
-        SF_TRY(sf_check_numel(op, name, &exp_avg_sq[i], numel));
-        SF_TRY(check_item(op, "exp_avg_sq", i, &exp_avg_sq[i], &params[0], 1));
-        if (master != NULL) {
-            SF_TRY(sf_check_dtype(op, item(name, sizeof name, "master", i), &master[i], SF_FLOAT32));
-            SF_TRY(sf_check_numel(op, name, &master[i], numel));
-            SF_TRY(check_item(op, "master", i, &master[i], &params[0], 1));
-        }
-        /* the four (five) tensors of one parameter, each of its own memory (the kernel reads and
-         * writes them element by element in one pass; a moment list passed twice would leave one
-         * moment in both); the indexed names are made only for a refusal's message */
-        const sf_tensor *w = master ? &master[i] : NULL;
-        sf_mem_arg outs[] = {{"params", &params[i], NULL}, {"exp_avg", &exp_avg[i], NULL},
-                             {"exp_avg_sq", &exp_avg_sq[i], NULL}, {"master", w, NULL}};
-        sf_mem_arg ins[] = {{"grads", &grads[i], NULL}};
-        if (sf_check_apart(op, outs, 4, ins, 1) != SF_OK) {
-            char np[64], ng[64], nm[64], nv[64], nw[64];
-            outs[0].name = item(np, sizeof np, "params", i);
-            outs[1].name = item(nm, sizeof nm, "exp_avg", i);
-            outs[2].name = item(nv, sizeof nv, "exp_avg_sq", i);
-            outs[3].name = item(nw, sizeof nw, "master", i);
-            ins[0].name = item(ng, sizeof ng, "grads", i);
-            return sf_check_apart(op, outs, 4, ins, 1);
+        const sf_status st = check_adamw_entry(op, i, 0, params, grads, exp_avg, exp_avg_sq, master, pd, gd, md);
+        if (st != SF_OK) {
+            const sf_status named = check_adamw_entry(op, i, 1, params, grads, exp_avg, exp_avg_sq, master, pd,
+                                                      gd, md);
+            return named != SF_OK ? named : st;
         }
     }
     sf_adamw_consts k = sf_adamw_derive(cfg);
@@ -130,18 +140,29 @@ int64_t sf_multi_tensor_l2norm_workspace(int64_t n, const sf_tensor *tensors)
     return chunks > 0 ? chunks : 1;
 }
 
+static sf_status check_list_item(const char *op, const char *list, int64_t i, int named, const sf_tensor *t,
+                                 int writable)
+{
+    char buf[64];
+    const char *name = SF_NAME(buf, list, i, named);
+    SF_TRY(sf_check_float_input(op, name, &t[i]));
+    SF_TRY(sf_check_contiguous(op, name, &t[i]));
+    if (writable)
+        SF_TRY(sf_check_writable(op, name, &t[i]));
+    if (t[i].device != t[0].device || t[i].device_id != t[0].device_id)
+        return sf_fail(SF_ERR_VALUE, "%s: arguments '%s[0]' and '%s' must be on the same device", op, list, name);
+    return SF_OK;
+}
+
 static sf_status check_list(const char *op, const char *list, int64_t n, const sf_tensor *t,
                             int writable)
 {
-    char name[64];
     for (int64_t i = 0; i < n; ++i) {
-        SF_TRY(sf_check_float_input(op, item(name, sizeof name, list, i), &t[i]));
-        SF_TRY(sf_check_contiguous(op, name, &t[i]));
-        if (writable)
-            SF_TRY(sf_check_writable(op, name, &t[i]));
-        if (t[i].device != t[0].device || t[i].device_id != t[0].device_id)
-            return sf_fail(SF_ERR_VALUE, "%s: arguments '%s[0]' and '%s' must be on the same device",
-                           op, list, name);
+        const sf_status st = check_list_item(op, list, i, 0, t, writable);
+        if (st != SF_OK) {
+            const sf_status named = check_list_item(op, list, i, 1, t, writable);
+            return named != SF_OK ? named : st;
+        }
     }
     return SF_OK;
 }

@@ -693,6 +693,27 @@ void sf_py_list_free(sf_py_tensor_list *l)
     l->views = NULL;
 }
 
+/* Item i of list l's tuple into l->views[i] under the name ``arg``, taking
+ * the stream c has (or giving c the one it finds). */
+static int list_item_import(sf_py_call *c, PyObject *stream_obj, sf_py_tensor_list *l, Py_ssize_t i,
+                            const char *arg)
+{
+    sf_py_call one;
+    if (sf_py_call_init(&one, c->op, stream_obj) < 0)
+        return -1;
+    if (c->have_stream) {
+        one.stream = c->stream;
+        one.have_stream = 1;
+    }
+    int rc = sf_py_tensor(&one, PyTuple_GET_ITEM(l->tuple, i), arg, &l->views[i]);
+    if (rc == 0 && !c->have_stream && one.have_stream) {
+        c->stream = one.stream;
+        c->have_stream = 1;
+    }
+    sf_py_call_release(&one);
+    return rc;
+}
+
 int sf_py_list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const char *name,
                        sf_py_tensor_list *l)
 {
@@ -710,23 +731,22 @@ int sf_py_list_import(sf_py_call *c, PyObject *stream_obj, PyObject *seq, const 
         return -1;
     }
     for (Py_ssize_t i = 0; i < l->n; ++i) {
+        /* under the list's bare name: the indexed one ("grads[3]") costs a formatting per tensor and
+         * call, so it is made only for a refusal's message, by importing that tensor again under it */
+        if (list_item_import(c, stream_obj, l, i, name) == 0)
+            continue;
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
         char arg[64];
         snprintf(arg, sizeof arg, "%s[%zd]", name, i);
-        sf_py_call one;
-        if (sf_py_call_init(&one, c->op, stream_obj) < 0)
-            return -1;
-        if (c->have_stream) {
-            one.stream = c->stream;
-            one.have_stream = 1;
+        if (list_item_import(c, stream_obj, l, i, arg) < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+        } else {
+            PyErr_Restore(type, value, tb); /* (a producer that refused once and not twice: its first word) */
         }
-        int rc = sf_py_tensor(&one, PyTuple_GET_ITEM(l->tuple, i), arg, &l->views[i]);
-        if (rc == 0 && !c->have_stream && one.have_stream) {
-            c->stream = one.stream;
-            c->have_stream = 1;
-        }
-        sf_py_call_release(&one);
-        if (rc < 0)
-            return -1;
+        return -1;
     }
     return 0;
 }
