@@ -17,8 +17,13 @@ Bandwidth counts the bytes an update must move: bf16 + master: grad 2 +
 master 4+4 + moments 16 + param write 2 = 28 B per parameter; bf16 state:
 param 2+2 + grad 2 + moments 4+4 = 14 B; fp32: param
 4+4 + grad 4 + moments 16 = 28 B.  Time is device time of optimizer.step()
-(host launch work included, L2 flushed).  Writes results/adamw.json, .png.
+(host launch work included, L2 flushed); then the host time of one step()
+over 200 small parameters against torch fused.  Writes results/adamw.json,
+.png.  ``--host-only cpu`` (or cuda) times only the host cases, on that
+device: results/adamw_host.json.
 """
+import argparse
+
 import torch
 
 from seqfuse.optim import FusedAdamW, clip_grad_norm_
@@ -38,8 +43,40 @@ def make(dtype):
     return params
 
 
+def host_cases(table, device, hyper):
+    """Host time of one step() over 200 small parameters, FusedAdamW against
+    torch's fused AdamW on the same parameters: fp32, and bf16 with bf16
+    moments and no master (torch's bf16 state).  On the GPU the tensors hold
+    1,024 elements (the launch work, not the GPU's); on the CPU, where the
+    update itself runs on the host, 16."""
+    numel = 1024 if device.type == "cuda" else 16
+    for dtype, kw in ((torch.float32, {}), (torch.bfloat16, dict(master_weights=False, exp_avg_dtype=torch.bfloat16,
+                                                                 exp_avg_sq_dtype=torch.bfloat16))):
+        small = [torch.nn.Parameter(torch.randn(numel, device=device).to(dtype)) for _ in range(N_TENSORS)]
+        for p in small:
+            p.grad = torch.randn_like(p)
+        ours, theirs = FusedAdamW(small, **kw, **hyper), torch.optim.AdamW(small, fused=True, **hyper)
+        h_ours = host_time_us(ours.step, calls=200, rounds=5)
+        h_theirs = host_time_us(theirs.step, calls=200, rounds=5)
+        name = str(dtype).removeprefix("torch.")
+        case = f"host time per step(), {N_TENSORS} {name} tensors x {numel} ({device.type})"
+        for impl, us in (("seqfuse FusedAdamW" + (" (bf16 moments, no master)" if kw else ""), h_ours),
+                         ("torch AdamW fused=True", h_theirs)):
+            table.add(case=case, impl=impl, host_us=us, vs_torch_fused=h_theirs / us)
+
+
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host-only", choices=("cpu", "cuda"), default=None,
+                    help="only the host-time cases, on this device (results/adamw_host.json): on the CPU the "
+                         "optimizers' host work with no GPU")
+    args = ap.parse_args()
     hyper = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    if args.host_only:
+        table = Table("adamw_host", ["case", "impl", "host_us", "vs_torch_fused"])
+        host_cases(table, torch.device(args.host_only), hyper)
+        table.save({"note": "median of 5 rounds of 200 step() calls each (harness.host_time_us)"})
+        return
     n = N_TENSORS * NUMEL
     table = Table("adamw", ["case", "impl", "ms", "TB_s", "pct_copy", "vs_torch_fused", "host_us"])
     labels, series = [], {"seqfuse": [], "torch fused": []}
@@ -105,15 +142,8 @@ def main():
     del fp32
     torch.cuda.empty_cache()
 
-    # --- host cost of one step() on 200 small tensors (the launch work, not the GPU's)
-    small = [torch.nn.Parameter(torch.randn(1024, device="cuda")) for _ in range(N_TENSORS)]
-    for p in small:
-        p.grad = torch.randn_like(p)
-    ours, theirs = FusedAdamW(small, **hyper), torch.optim.AdamW(small, fused=True, **hyper)
-    h_ours, h_theirs = host_time_us(ours.step, calls=200, rounds=5), host_time_us(theirs.step, calls=200, rounds=5)
+    host_cases(table, torch.device("cuda"), hyper)
     torch.cuda.synchronize()
-    for impl, us in (("seqfuse FusedAdamW", h_ours), ("torch AdamW fused=True", h_theirs)):
-        table.add(case="host time per step(), 200 tensors x 1024", impl=impl, host_us=us)
     table.save({"copy_ceiling_TBs": H200_COPY_TBS, "n_params": n,
                 "note": "clip bytes: read for the norm (4 B) + read/write for the scale (8 B) per element; "
                         "vs_torch_fused of the clip row is against torch's foreach clip"})

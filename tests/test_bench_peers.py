@@ -40,6 +40,20 @@ def test_run_metadata_names_commit_versions_and_command():
         assert m["git_commit"] == head and m["git_commit_source"] == "git"
 
 
+def test_version_of_a_package_imported_without_a_distribution(monkeypatch):
+    """A package this process imported from a path (the GPU machine's seqfuse, imported from python/ with an
+    extension built elsewhere) is recorded with its __version__ and where it came from, not "not installed";
+    a package neither installed nor imported stays "not installed"."""
+    import types
+
+    fake = types.ModuleType("sf_fake_pkg_s52")
+    fake.__version__ = "9.9.9"
+    fake.__file__ = "/somewhere/sf_fake_pkg_s52/__init__.py"
+    monkeypatch.setitem(sys.modules, "sf_fake_pkg_s52", fake)
+    assert meta._dist_version("sf_fake_pkg_s52") == "9.9.9 (imported from /somewhere/sf_fake_pkg_s52, no distribution)"
+    assert meta._dist_version("sf_absent_pkg_s52") == "not installed"
+
+
 def test_commit_without_git_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SEQFUSE_GIT_COMMIT", "abc123")
     sha, dirty, source = meta.git_commit(str(tmp_path))

@@ -69,3 +69,32 @@ def test_every_op_binding_takes_keywords_and_a_stream():
         assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params.values()), f.__name__
         if not f.__name__.startswith("attn_set_"):
             assert "stream" in params, f.__name__
+
+
+def test_list_item_refused_once_keeps_the_first_refusal():
+    """A list's item is imported under the list's bare name and, where that fails, again under its
+    indexed name for the message; a producer that refuses the first time and not the second still fails
+    the call, with its first refusal (the retry happened: two __dlpack__ calls), and one that never
+    refuses passes."""
+    np = pytest.importorskip("numpy")
+
+    class Flaky:
+        def __init__(self, refusals):
+            self.calls, self.refusals, self.a = 0, refusals, np.ones(4, dtype=np.float32)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+        def __dlpack__(self, **kw):
+            self.calls += 1
+            if self.calls <= self.refusals:
+                raise RuntimeError("refused the first time")
+            return self.a.__dlpack__(**kw)
+
+    out = torch.zeros(())
+    flaky = Flaky(1)
+    with pytest.raises(RuntimeError, match="refused the first time"):
+        _C.multi_tensor_l2norm([torch.ones(4), flaky], out, out, None)
+    assert flaky.calls == 2
+    _C.multi_tensor_l2norm([torch.ones(4), Flaky(0)], out, out, None)
+    assert out.item() == pytest.approx(8 ** 0.5)

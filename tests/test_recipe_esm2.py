@@ -182,8 +182,11 @@ def test_resume_into_a_longer_schedule(tmp_path):
     base = TINY + [f"checkpoint.dir={d}", "train.decay=linear", "train.min_lr_ratio=0.1"]
     train(load_config("L0_sanity", base + ["train.steps=3"]), "ddp")
     seen = []
-    hook = lambda o, args, kwargs: seen.append(o.param_groups[0]["lr"])  # noqa: E731
-    with _built_optimizers(hook):
+
+    def record_lr(opt, args, kwargs):
+        seen.append(opt.param_groups[0]["lr"])
+
+    with _built_optimizers(record_lr):
         cfg6 = load_config("L0_sanity", base + ["train.steps=6"])
         out = train(cfg6, "ddp")
     # the first step() is torch DCP's state initialisation inside the load (lr 0)

@@ -180,12 +180,17 @@ def build_hf(mcfg, device, dtype, experts, seed):
     return model
 
 
+def adam_hyper(cfg):
+    """The recipe's AdamW hyperparameters, as both like-for-like optimizers take them."""
+    t = cfg.train
+    return dict(lr=float(t.lr), betas=tuple(float(b) for b in t.betas), eps=float(t.eps),
+                weight_decay=float(t.weight_decay))
+
+
 def torch_adamw(model, cfg, device):
     """The transformers row's optimizer: torch AdamW (fused on the GPU) over
     every parameter with the recipe's hyperparameters."""
-    t = cfg.train
-    return torch.optim.AdamW(model.parameters(), lr=float(t.lr), betas=tuple(t.betas), eps=float(t.eps),
-                             weight_decay=float(t.weight_decay), fused=device.type == "cuda")
+    return torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adam_hyper(cfg))
 
 
 def fused_adamw(model, cfg):
@@ -194,20 +199,27 @@ def fused_adamw(model, cfg):
     parameter decayed, the recipe's hyperparameters."""
     from seqfuse.optim import FusedAdamW
 
-    t = cfg.train
-    return FusedAdamW(model.parameters(), lr=float(t.lr), betas=tuple(float(b) for b in t.betas),
-                      eps=float(t.eps), weight_decay=float(t.weight_decay), master_weights=False,
-                      exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    return FusedAdamW(model.parameters(), master_weights=False, exp_avg_dtype=torch.bfloat16,
+                      exp_avg_sq_dtype=torch.bfloat16, **adam_hyper(cfg))
 
 
-def optimizer_of(name):
-    """What steps row ``name``'s weights (recorded with each row)."""
-    if name.startswith("hf_") or name.endswith("_torch_adamw"):
-        return "torch.optim.AdamW (fused on the GPU): bf16 moments, no master, every parameter decayed"
-    if name.endswith("_fused_adamw"):
-        return ("seqfuse FusedAdamW(master_weights=False, bf16 moments): torch AdamW's update and state, every "
-                "parameter decayed")
-    return "the recipe's FusedAdamW: fp32 masters, moments in train.adam_moments, decay on matrices only"
+#: A row's optimizer by its name's suffix ("": the recipe's): (what the JSON records, its builder from (model,
+#: bench config, the row's recipe config, device)).
+OPTIMIZERS = {
+    "_torch_adamw": ("torch.optim.AdamW (fused on the GPU): bf16 moments, no master, every parameter decayed",
+                     lambda model, cfg, rcfg, device: torch_adamw(model, cfg, device)),
+    "_fused_adamw": ("seqfuse FusedAdamW(master_weights=False, bf16 moments): torch AdamW's update and state, "
+                     "every parameter decayed", lambda model, cfg, rcfg, device: fused_adamw(model, cfg)),
+    "": ("the recipe's FusedAdamW: fp32 masters, moments in train.adam_moments, decay on matrices only",
+         lambda model, cfg, rcfg, device: recipe.build_optimizer(model, rcfg)),
+}
+
+
+def optimizer_suffix(name):
+    """Row ``name``'s key in OPTIMIZERS (every transformers row steps torch AdamW)."""
+    if name.startswith("hf_"):
+        return "_torch_adamw"
+    return next((k for k in OPTIMIZERS if k and name.endswith(k)), "")
 
 
 def bshd_forward(model, router_logits):
@@ -240,7 +252,8 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
     model = from_hf_model(hf)
     del hf
     graphed = name.startswith("seqfusegraph_")
-    fp8 = name.split("_", 1)[1].removesuffix("_torch_adamw").removesuffix("_fused_adamw").removesuffix("_hostsplits")
+    opt_key = optimizer_suffix(name)
+    fp8 = name.split("_", 1)[1].removesuffix(opt_key).removesuffix("_hostsplits")
     overrides = []
     if fp8.endswith("_e4m3"):
         fp8 = fp8.removesuffix("_e4m3")
@@ -251,12 +264,7 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
                 m.device_splits = False
     rcfg = load_config(cfg.config_name, [f"precision.recipe={fp8}", *overrides])
     fp8_recipe = recipe.fp8_recipe(rcfg)
-    if name.endswith("_torch_adamw"):
-        opt = torch_adamw(model, cfg, device)
-    elif name.endswith("_fused_adamw"):
-        opt = fused_adamw(model, cfg)
-    else:
-        opt = recipe.build_optimizer(model, rcfg)
+    opt = OPTIMIZERS[opt_key][1](model, cfg, rcfg, device)
 
     def context():
         return autocast(enabled=fp8_recipe is not None, recipe=fp8_recipe)
@@ -436,7 +444,7 @@ def main(argv=None):
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
                           first_loss=first, final_loss=final,
                           pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries,
-                          optimizer=optimizer_of(name))
+                          optimizer=OPTIMIZERS[optimizer_suffix(name)][0])
         log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before), "
             f"{queries:.2f} cuBLASLt heuristic queries a timed step")
     add_ratios(done)

@@ -4,7 +4,8 @@ whether a peer library can run here.
 ``run_metadata()`` gives the git commit (the environment variable
 SEQFUSE_GIT_COMMIT when set: the GPU machine's copy of the tree may carry a
 .git that lags it; else ``git`` when the checkout has its .git), the versions of torch,
-transformers, seqfuse and each peer (from the installed distributions: no
+transformers, seqfuse and each peer (from the installed distributions, or the
+__version__ of a package this process imported from a path: no
 peer is imported for this), the exact command line and the SHA-256 of the
 script that ran, so a figure can be traced to the code that made it.
 
@@ -30,11 +31,19 @@ _IMPORTS = {}
 
 
 def _dist_version(name):
+    """The installed distribution's version; else, for a package this process
+    imported from a path (seqfuse from python/ on the GPU machine, its
+    extension built elsewhere), its __version__ and where it came from; else
+    "not installed"."""
     for candidate in (name, name.replace("_", "-")):
         try:
             return importlib.metadata.version(candidate)
         except importlib.metadata.PackageNotFoundError:
             continue
+    module = sys.modules.get(name)
+    version = getattr(module, "__version__", None)
+    if version is not None:
+        return f"{version} (imported from {os.path.dirname(getattr(module, '__file__', '') or '')}, no distribution)"
     return "not installed"
 
 

@@ -251,9 +251,9 @@ def wrap_model(model, layers, strategy, world, device, cfg, log):
 
 def build_optimizer(model, cfg):
     """FusedAdamW (fp32 master weights unless train.master_weights is false,
-    moments in train.adam_moments) with decay on matrices only.  Under FSDP2 the parameters are DTensor shards:
-    FusedAdamW updates the local shards and keeps its state (moments, fp32
-    masters) sharded like them."""
+    moments in train.adam_moments) with decay on matrices only.  Under FSDP2
+    the parameters are DTensor shards: FusedAdamW updates the local shards
+    and keeps its state (moments, fp32 masters) sharded like them."""
     from seqfuse.optim import FusedAdamW
 
     decay, no_decay = [], []
@@ -608,11 +608,11 @@ def check_optimizer_config(path, saved_config, cfg):
             f"in another checkpoint.dir")
     was, now = bool(train.get("master_weights", True)), bool(cfg.train.get("master_weights", True))
     if was != now:
-        name = {True: "true", False: "false"}
+        was, now = str(was).lower(), str(now).lower()  # (as the config writes them)
         raise ckpt.CheckpointError(
-            f"checkpoint {path} was saved with train.master_weights={name[was]}, this run has {name[now]}: "
+            f"checkpoint {path} was saved with train.master_weights={was}, this run has {now}: "
             f"FusedAdamW restores the setting with the checkpoint's state, so this run's would be ignored.  "
-            f"Resume with train.master_weights={name[was]}, or start a new run in another checkpoint.dir")
+            f"Resume with train.master_weights={was}, or start a new run in another checkpoint.dir")
 
 
 def _resume(cfg, spec, model, optimizer, scheduler, train_loader, rank):
