@@ -408,33 +408,24 @@ def test_resume_with_a_longer_context_is_not_refused():
         check_model_config("ckpt", saved, sized)
 
 
-def test_resume_with_other_adam_moments_is_refused_naming_the_setting(run4, tmp_path):
-    """The run of step 2 and 4 resumed with train.adam_moments changed: CheckpointError naming the
-    recipe setting (FusedAdamW's own refusal names its constructor arguments, which a recipe user does
-    not write), before anything is loaded; nothing is written."""
+@pytest.mark.parametrize("override, was_now_why", [
+    ("train.adam_moments=bfloat16", ("train.adam_moments=float32", "bfloat16", "its Adam moments would be loaded into "
+                                     "another precision")),
+    ("train.master_weights=false", ("train.master_weights=true", "false", "FusedAdamW restores the setting with "
+                                    "the checkpoint's state, so this run's would be ignored")),
+])
+def test_resume_with_other_optimizer_setting_is_refused_naming_it(run4, tmp_path, override, was_now_why):
+    """The run of step 2 and 4 (float32 moments and fp32 masters, the defaults) resumed with
+    train.adam_moments or train.master_weights changed: CheckpointError naming the recipe setting,
+    before anything is loaded; nothing is written.  (FusedAdamW's own refusal of other moments names its
+    constructor arguments, which a recipe user does not write; it restores master_weights from the
+    checkpoint's groups, so the run would otherwise keep the masters silently.)"""
+    was, now, why = was_now_why
     d = _copy(run4, tmp_path)
     with pytest.raises(ckpt.CheckpointError) as e:
-        train(load_config("L0_sanity", BASE + ["train.steps=6", f"checkpoint.dir={d}",
-                                               "train.adam_moments=bfloat16"]), "ddp")
-    assert str(e.value) == (f"checkpoint {step_dir(d, 4)} was saved with train.adam_moments=float32, this run has "
-                            "bfloat16: its Adam moments would be loaded into another precision.  Resume with "
-                            "train.adam_moments=float32, or start a new run in another checkpoint.dir")
-    assert steps_in(d) == [2, 4]
-
-
-def test_resume_with_other_master_weights_is_refused_naming_the_setting(run4, tmp_path):
-    """The run of step 2 and 4 (saved with fp32 masters, the default) resumed with
-    train.master_weights=false: CheckpointError naming the recipe setting, before anything is
-    loaded (FusedAdamW restores master_weights from the checkpoint's groups, so the run would
-    otherwise keep the masters silently); nothing is written."""
-    d = _copy(run4, tmp_path)
-    with pytest.raises(ckpt.CheckpointError) as e:
-        train(load_config("L0_sanity", BASE + ["train.steps=6", f"checkpoint.dir={d}",
-                                               "train.master_weights=false"]), "ddp")
-    assert str(e.value) == (f"checkpoint {step_dir(d, 4)} was saved with train.master_weights=true, this run has "
-                            "false: FusedAdamW restores the setting with the checkpoint's state, so this run's "
-                            "would be ignored.  Resume with train.master_weights=true, or start a new run in "
-                            "another checkpoint.dir")
+        train(load_config("L0_sanity", BASE + ["train.steps=6", f"checkpoint.dir={d}", override]), "ddp")
+    assert str(e.value) == (f"checkpoint {step_dir(d, 4)} was saved with {was}, this run has {now}: {why}.  "
+                            f"Resume with {was}, or start a new run in another checkpoint.dir")
     assert steps_in(d) == [2, 4]
 
 
