@@ -109,7 +109,9 @@ peak memory are after all of them.  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16), vs_best_hf (against the fastest transformers row timed before it:
 put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
-TFLOP/s), peak memory (torch.cuda.max_memory_allocated over the row's steps)
+TFLOP/s), peak memory (torch.cuda.max_memory_allocated over all of the row's
+steps: peak_gib, the ratios' figure; steady_peak_gib over the timed passes
+alone and warm_peaks_gib after each untimed step say where the peak falls)
 and its ratio to transformers', and start_gib: what was still allocated
 when the row began (rows are freed between, torch.compile's caches too;
 a row's peak includes what an earlier row left).  Issue 18's goals:
@@ -328,8 +330,12 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     first = float(step(batches[0]))  # same weights, same batch in every row
+    warm_peaks = [max_allocated_gib(device)]  # the peak so far after each untimed step: where the row's peak is
     for b in batches[1:] + batches * (warm_passes - 1):  # the rest of the untimed warm passes
         step(b)
+        warm_peaks.append(max_allocated_gib(device))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the timed passes' own peak as well (the row's peak keeps the max)
     passes = []
     queries = _gemm_module().heuristic_queries()
     for _ in range(timed_passes):
@@ -340,7 +346,8 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
         passes.append(time.perf_counter() - t0)
     seconds = statistics.median_high(passes)  # (a pass's own time; of an even count the slower middle one)
     queries = (_gemm_module().heuristic_queries() - queries) / (timed_passes * len(batches))
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    steady_peak = max_allocated_gib(device)
+    peak = max(warm_peaks + [steady_peak])
     final = float(losses[-1])
     if profile:
         from profile_summary import profile_row
@@ -351,7 +358,11 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
             f"step: {syncs}")
     del model, opt
     release(device)
-    return seconds, passes, first, final, peak, queries
+    return seconds, passes, first, final, (peak, steady_peak, warm_peaks), queries
+
+
+def max_allocated_gib(device):
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
 def _gemm_module():
@@ -432,7 +443,7 @@ def main(argv=None):
     for name in rows:
         start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
         try:
-            seconds, passes, first, final, peak, queries = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
+            seconds, passes, first, final, (peak, steady_peak, warm_peaks), queries = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
                                                           args.profile, args.profile_steps, args.warm_passes,
                                                           args.timed_passes, args.profile_stacks)
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
@@ -442,10 +453,12 @@ def main(argv=None):
             continue
         done[name] = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
+                          steady_peak_gib=steady_peak, warm_peaks_gib=[round(g, 3) for g in warm_peaks],
                           first_loss=first, final_loss=final,
                           pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries,
                           optimizer=OPTIMIZERS[optimizer_suffix(name)][0])
-        log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before), "
+        log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before; "
+            f"timed passes {steady_peak:.2f}, after each untimed step {', '.join(f'{g:.2f}' for g in warm_peaks)}), "
             f"{queries:.2f} cuBLASLt heuristic queries a timed step")
     add_ratios(done)
     for r in done.values():
