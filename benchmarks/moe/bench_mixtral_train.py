@@ -111,7 +111,10 @@ put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
 TFLOP/s), peak memory (torch.cuda.max_memory_allocated over all of the row's
 steps: peak_gib, the ratios' figure; steady_peak_gib over the timed passes
-alone and warm_peaks_gib after each untimed step say where the peak falls)
+alone and warm_peaks_gib after each untimed step say where the peak falls;
+steady_reserved_gib: torch.cuda.max_memory_reserved over the timed passes,
+which counts what a CUDA graph's private pool holds for its captured
+intermediates, where max_memory_allocated does not)
 and its ratio to transformers', and start_gib: what was still allocated
 when the row began (rows are freed between, torch.compile's caches too;
 a row's peak includes what an earlier row left).  Issue 18's goals:
@@ -348,6 +351,10 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     queries = (_gemm_module().heuristic_queries() - queries) / (timed_passes * len(batches))
     steady_peak = max_allocated_gib(device)
     peak = max(warm_peaks + [steady_peak])
+    # what the caching allocator held from the GPU at most over the timed passes: a CUDA graph's private pool
+    # keeps the memory of its captured intermediates, which max_memory_allocated no longer counts once the
+    # capture freed them (the replays write there without the allocator)
+    steady_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
     final = float(losses[-1])
     if profile:
         from profile_summary import profile_row
@@ -358,7 +365,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
             f"step: {syncs}")
     del model, opt
     release(device)
-    return seconds, passes, first, final, (peak, steady_peak, warm_peaks), queries
+    return seconds, passes, first, final, (peak, steady_peak, warm_peaks, steady_reserved), queries
 
 
 def max_allocated_gib(device):
@@ -442,8 +449,9 @@ def main(argv=None):
     done = {}
     for name in rows:
         start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
+        start_reserved = torch.cuda.memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
         try:
-            seconds, passes, first, final, (peak, steady_peak, warm_peaks), queries = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
+            seconds, passes, first, final, (peak, steady_peak, warm_peaks, steady_reserved), queries = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
                                                           args.profile, args.profile_steps, args.warm_passes,
                                                           args.timed_passes, args.profile_stacks)
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
@@ -454,11 +462,13 @@ def main(argv=None):
         done[name] = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
                           steady_peak_gib=steady_peak, warm_peaks_gib=[round(g, 3) for g in warm_peaks],
+                          steady_reserved_gib=steady_reserved, start_reserved_gib=start_reserved,
                           first_loss=first, final_loss=final,
                           pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries,
                           optimizer=OPTIMIZERS[optimizer_suffix(name)][0])
         log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before; "
-            f"timed passes {steady_peak:.2f}, after each untimed step {', '.join(f'{g:.2f}' for g in warm_peaks)}), "
+            f"timed passes {steady_peak:.2f}, after each untimed step {', '.join(f'{g:.2f}' for g in warm_peaks)}; "
+            f"reserved over the timed passes {steady_reserved:.2f}, {start_reserved:.2f} before), "
             f"{queries:.2f} cuBLASLt heuristic queries a timed step")
     add_ratios(done)
     for r in done.values():
