@@ -27,3 +27,16 @@ def test_ratios_cover_rows_timed_before_the_peers():
     assert s["first_loss_rel_diff_vs_hf"] == pytest.approx(0.2 / 2.2)
     assert "vs_best_hf" not in done["hf_bf16_compile"]  # the best peer is not compared with itself
     assert done["hf_bf16"]["vs_best_hf"] == 0.5
+
+
+def test_reserved_ratio_is_net_of_what_was_reserved_before_and_needs_both_rows():
+    done = {"hf_bf16_compile": {**row("hf_bf16_compile", 200.0, 13.0, 0.5),
+                                "steady_reserved_gib": 14.0, "start_reserved_gib": 2.0},
+            "seqfusegraph_fp8": {**row("seqfusegraph_fp8", 250.0, 11.0, 0.0),
+                                 "steady_reserved_gib": 15.0, "start_reserved_gib": 0.0},
+            "seqfuse_fp8": row("seqfuse_fp8", 240.0, 11.0, 0.0)}
+    B.add_ratios(done)
+    # the graphed row's allocated peak is lower, its reserved memory (the graphs' pool) is not
+    assert done["seqfusegraph_fp8"]["mem_vs_best_hf"] == pytest.approx(11.0 / 12.5)
+    assert done["seqfusegraph_fp8"]["reserved_vs_best_hf"] == pytest.approx(15.0 / 12.0)
+    assert "reserved_vs_best_hf" not in done["seqfuse_fp8"]  # a row without the figure gets no ratio

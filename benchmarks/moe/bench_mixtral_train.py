@@ -237,8 +237,9 @@ def bshd_forward(model, router_logits):
 
 
 def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
-    """(model, optimizer, context, forward) of a row (``shape``: the batches' [batch, seq], which a
-    graphed row captures)."""
+    """(model, optimizer, context, forward, capture) of a row (``shape``: the batches' [batch, seq], which a
+    graphed row captures).  ``capture``: None, or for a graphed row the call that captures its layers (the
+    forward runs them eagerly before it, as graphs after it)."""
     from seqfuse.pytorch import autocast
 
     if name.startswith("hf_"):
@@ -250,7 +251,7 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
             from liger_kernel.transformers import apply_liger_kernel_to_mixtral
 
             apply_liger_kernel_to_mixtral(model=model)
-        return model, torch_adamw(model, cfg, device), contextlib.nullcontext, bshd_forward(model, True)
+        return model, torch_adamw(model, cfg, device), contextlib.nullcontext, bshd_forward(model, True), None
     from seqfuse.hf.mixtral_convert import from_hf_model
 
     hf = build_hf(mcfg, device, dtype, "eager", seed)
@@ -279,12 +280,14 @@ def build_row(name, cfg, mcfg, device, dtype, seed, shape=None):
         # unpadded: the same tokens and causal attention as the packed rows, whose cu_seqlens cut the
         # batch into those very windows); the step's host work is then two graph launches a layer
         model.train()
-        model.model.graph_layers(*shape, fp8_recipe=fp8_recipe)
-        return model, opt, context, bshd_forward(model, float(model.config.router_aux_loss_coef) > 0)
+
+        def capture():
+            model.model.graph_layers(*shape, fp8_recipe=fp8_recipe)
+        return model, opt, context, bshd_forward(model, float(model.config.router_aux_loss_coef) > 0), capture
 
     def forward(b):
         return recipe.forward_loss(model, b)
-    return model, opt, context, forward
+    return model, opt, context, forward, None
 
 
 def add_ratios(done):
@@ -292,9 +295,14 @@ def add_ratios(done):
     whatever order they ran: vs_hf / mem_vs_hf against eager ``hf_bf16``,
     vs_hf_loop, and vs_best_hf / mem_vs_best_hf against the fastest
     transformers row (best_hf_row, the strongest peer measured); memory
-    ratios net of what earlier rows left allocated (peak_gib - start_gib)."""
+    ratios net of what earlier rows left allocated (peak_gib - start_gib);
+    reserved_vs_best_hf the same over the timed passes' reserved memory
+    (steady_reserved_gib - start_reserved_gib: a graph pool counted)."""
     def net(r):
         return r["peak_gib"] - r["start_gib"]
+
+    def net_reserved(r):
+        return r["steady_reserved_gib"] - r["start_reserved_gib"]
 
     hf = [n for n in done if n.startswith("hf_")]
     best = max(hf, key=lambda n: done[n]["unpadded_tokens_per_s"]) if hf else None
@@ -310,16 +318,21 @@ def add_ratios(done):
             r["vs_best_hf"] = r["unpadded_tokens_per_s"] / done[best]["unpadded_tokens_per_s"]
             r["mem_vs_best_hf"] = net(r) / net(done[best])
             r["best_hf_row"] = best
+            if "steady_reserved_gib" in r and "steady_reserved_gib" in done[best]:
+                r["reserved_vs_best_hf"] = net_reserved(r) / net_reserved(done[best])
 
 
 def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2, warm_passes=1,
-            timed_passes=1, profile_stacks=False):
+            timed_passes=1, profile_stacks=False, eager_before_graphs=0):
     """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, peak GiB,
     cuBLASLt heuristic queries a timed step) of row ``name``: ``warm_passes`` untimed passes over ``batches``,
     then ``timed_passes`` timed ones, the training going on through all of them.  A heuristic query (a plan
     seqfuse's GEMM cache did not hold) costs host time and can wait for the GPU's queued work."""
-    model, opt, context, forward = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
+    model, opt, context, forward, capture = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
+    warm = batches + batches * (warm_passes - 1)  # the untimed passes' batches
+    # a graphed row's first untimed steps run eagerly, then its layers are captured (--eager-before-graphs)
+    before = min(eager_before_graphs, len(warm) - 1) if capture is not None else 0
 
     def step(b):
         with context():
@@ -332,10 +345,13 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    first = float(step(batches[0]))  # same weights, same batch in every row
-    warm_peaks = [max_allocated_gib(device)]  # the peak so far after each untimed step: where the row's peak is
-    for b in batches[1:] + batches * (warm_passes - 1):  # the rest of the untimed warm passes
-        step(b)
+    warm_peaks = []  # the peak so far after each untimed step: where the row's peak is
+    for i, b in enumerate(warm):
+        if i == before and capture is not None:
+            capture()
+        loss = step(b)
+        if i == 0:
+            first = float(loss)  # same weights, same batch in every row
         warm_peaks.append(max_allocated_gib(device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the timed passes' own peak as well (the row's peak keeps the max)
@@ -415,6 +431,10 @@ def main(argv=None):
                     help="timed passes over the batches, each timed alone; a row's rate is the median pass's, and "
                          "the JSON keeps every pass's (s46's host-bound FP8 rows moved 10-20 %% between runs of "
                          "one pass each)")
+    ap.add_argument("--eager-before-graphs", type=int, default=0, metavar="N",
+                    help="graphed rows: the first N untimed steps run eagerly, then the layers are captured; under "
+                         "FP8 delayed scaling 2 give every FP8 tensor an amax history, so no step runs eagerly "
+                         "beside the graphs' memory pool (graph_layers' note)")
     ap.add_argument("--warm-passes", type=int, default=2,
                     help="untimed passes over the batches before the timed ones (the routing, so the grouped GEMMs' "
                          "row counts and the GEMM plans they need, changes as the model trains)")
@@ -451,9 +471,10 @@ def main(argv=None):
         start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
         start_reserved = torch.cuda.memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
         try:
-            seconds, passes, first, final, (peak, steady_peak, warm_peaks, steady_reserved), queries = run_row(name, cfg, mcfg, batches, device, dtype, args.seed,
-                                                          args.profile, args.profile_steps, args.warm_passes,
-                                                          args.timed_passes, args.profile_stacks)
+            seconds, passes, first, final, memory, queries = run_row(
+                name, cfg, mcfg, batches, device, dtype, args.seed, args.profile, args.profile_steps,
+                args.warm_passes, args.timed_passes, args.profile_stacks, args.eager_before_graphs)
+            peak, steady_peak, warm_peaks, steady_reserved = memory
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -478,6 +499,10 @@ def main(argv=None):
     goals += [{"goal": "peak memory <= the fastest transformers row's, both net of what earlier rows left allocated",
                "row": n, "value": r.get("mem_vs_best_hf"), "pass": (r.get("mem_vs_best_hf") or 9) <= 1.0}
               for n, r in done.items() if n.startswith("seqfuse")]
+    goals += [{"goal": "reserved memory over the timed passes <= the fastest transformers row's, both net of what "
+                       "was reserved before (a CUDA graph's pool counted)",
+               "row": n, "value": r.get("reserved_vs_best_hf"), "pass": (r.get("reserved_vs_best_hf") or 9) <= 1.0}
+              for n, r in done.items() if n.startswith("seqfuse")]
     table.save({"config": args.config, "seq_len": seq_len, "batch_size": args.batch_size, "timed_steps": args.steps,
                 "data": os.path.relpath(path, ROOT), "data_note": note, "dtype": str(dtype), "goals": goals,
                 "model": {k: getattr(mcfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -487,7 +512,8 @@ def main(argv=None):
                          "top-k experts) + causal attention; MFU against 794 TFLOP/s (measured H200 bf16)",
                 "timing": f"{args.warm_passes} untimed pass(es) over the very batches, then {args.timed_passes} timed "
                           "pass(es), each with the GPU synchronized before and after it only; a row's rate is the "
-                          "median pass's (pass_tokens_per_s: every pass's)"})
+                          "median pass's (pass_tokens_per_s: every pass's)",
+                "eager_before_graphs": args.eager_before_graphs})
     for g in goals:
         log(f"goal {g['goal']} [{g['row']}]: {g['value']}: {'PASS' if g['pass'] else 'MISS'}")
     plot(table.rows, os.path.join(RESULTS, "moe_mixtral_train.png"), f"{args.config}, {args.batch_size} x {seq_len}")

@@ -438,14 +438,6 @@ sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, 
         for (int i = 0; i < 4; ++i)
             CA_TRY("setting MIN_ALIGNMENT",
                    cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
-#ifdef SF_GEMM_REDUCTION_MASK
-        /* a build for measuring split-K's reduction schemes (cublasLtReductionScheme_t bits: 1 in place,
-           which clears the output first, 2 and 4 through the workspace; 0 no split-K) */
-        uint32_t mask = SF_GEMM_REDUCTION_MASK;
-        CA_TRY("setting REDUCTION_SCHEME_MASK", cublasLtMatmulPreferenceSetAttribute(
-                                                     pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
-                                                     sizeof mask));
-#endif
     }
     g_queries++;
     s = cublasLtMatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld, pref, 1,
