@@ -47,11 +47,18 @@ first replays run at scale 1, and a warning says so.
 Gradient accumulation: torch's graphed backward hands each parameter's
 gradient out as a detached view of the graph's static output buffer, and
 autograd, finding the parameter's .grad empty, keeps that very tensor as
-.grad (it "steals" a gradient nobody else references).  The next replay
-then overwrites the buffer, so a second micro-batch's backward would
-replace the first one's gradient and add itself to it.  So every parameter of a graphed module gets a hook
-that hands autograd a copy when .grad is still empty (the first
-micro-batch of a step; later ones add in place and need none).
+.grad (it "steals" a gradient nobody else references).  That costs no
+memory, and is right as long as the buffer is not written again while
+.grad still is it: the next backward replay would overwrite it, so a
+second micro-batch's backward would replace the first one's gradient and
+add itself to it.  So just before the module's next backward replay (a
+hook on the graphed backward node of each forward call), a parameter
+whose .grad is one of the buffers that backward writes (their addresses
+noted at its first run) gets a copy as .grad: a step with one backward and
+zero_grad(set_to_none=True) copies nothing, and the first micro-batch of
+an accumulating step is copied once, where autograd then adds the others
+in place.  Graphed modules thus hold each parameter's gradient once, as
+eager ones do, not a copy beside the graph's buffer.
 """
 import logging
 
@@ -138,6 +145,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
         cast_while_graphing = {id(st): set().union(*st.history_note()) for st, *_ in saved}
     finally:
         restore_scaling(saved)  # in place: the graphs hold these addresses
+    for c in callables:
+        params = [p for p in c.parameters() if p.requires_grad] if isinstance(c, torch.nn.Module) else []
+        if params:  # torch's replaying forward (the first-step guard below wraps this one)
+            c.forward = _copying_grads_before_replay(c.forward, params)
     for c, eager_forward in zip(callables, eager_forwards):
         if eager_forward is None:
             if isinstance(recipe, DelayedScaling):
@@ -150,10 +161,6 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                    for i in sorted(cast_while_graphing.get(id(st), set()) - st.history_note()[0])]
         if pending:
             c.forward = _eager_until_history(c, c.forward, eager_forward, pending)
-    for p in modules_in.parameters():
-        if p.requires_grad and not getattr(p, "_seqfuse_graph_grad_copy", False):
-            p.register_hook(_grad_copy_hook(p))
-            p._seqfuse_graph_grad_copy = True
     return graphed[0] if single else graphed
 
 
@@ -190,10 +197,31 @@ def _eager_until_history(module, graphed_forward, eager_forward, pending):
 _EAGER_CALLS_WARN = 8
 
 
-def _grad_copy_hook(param):
-    """The hook of the module note's "gradient accumulation": a copy of the
-    incoming gradient while ``param.grad`` is empty (autograd would keep the
-    graph's buffer itself), the gradient as it is otherwise."""
-    def hook(grad):
-        return grad.clone() if param.grad is None else grad
-    return hook
+def _copying_grads_before_replay(graphed_forward, params):
+    """``graphed_forward`` (torch's replaying forward of a module) whose
+    backward node first gives each of ``params`` whose .grad is one of the
+    gradient buffers that node hands out (the module note) a copy as
+    .grad."""
+    buffers = set()  # the addresses of the gradients the graphed backward returns: its static buffers
+
+    def copy_out(grad_outputs):
+        for p in params:
+            g = p.grad
+            if g is not None and g.data_ptr() in buffers:
+                p.grad = g.clone()
+        return None
+
+    def note(grad_inputs, grad_outputs):
+        buffers.update(t.data_ptr() for t in grad_inputs if isinstance(t, torch.Tensor))
+        return None
+
+    def forward(*args, **kwargs):
+        out = graphed_forward(*args, **kwargs)
+        node = next((t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:
+            node.register_prehook(copy_out)
+            if not buffers:
+                node.register_hook(note)
+        return out
+    return forward
