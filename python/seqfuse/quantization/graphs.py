@@ -60,6 +60,7 @@ an accumulating step is copied once, where autograd then adds the others
 in place.  Graphed modules thus hold each parameter's gradient once, as
 eager ones do, not a copy beside the graph's buffer.
 """
+import functools
 import logging
 
 import torch
@@ -215,6 +216,7 @@ def _copying_grads_before_replay(graphed_forward, params):
         buffers.update(t.data_ptr() for t in grad_inputs if isinstance(t, torch.Tensor))
         return None
 
+    @functools.wraps(graphed_forward)
     def forward(*args, **kwargs):
         out = graphed_forward(*args, **kwargs)
         node = next((t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
