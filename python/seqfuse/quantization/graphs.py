@@ -51,17 +51,22 @@ autograd, finding the parameter's .grad empty, keeps that very tensor as
 memory, and is right as long as the buffer is not written again while
 .grad still is it: the next backward replay would overwrite it, so a
 second micro-batch's backward would replace the first one's gradient and
-add itself to it.  So just before the module's next backward replay (a
-hook on the graphed backward node of each forward call), a parameter
-whose .grad is one of the buffers that backward writes (their addresses
-noted at its first run) gets a copy as .grad: a step with one backward and
-zero_grad(set_to_none=True) copies nothing, and the first micro-batch of
-an accumulating step is copied once, where autograd then adds the others
-in place.  Graphed modules thus hold each parameter's gradient once, as
-eager ones do, not a copy beside the graph's buffer.
+add itself to it.  The buffer is not the graph's alone either: all the
+graphs of one capture share a memory pool, and the backward's static
+buffers sit where the forward graphs keep their temporaries, so the next
+forward replay of any of them overwrites them too.  So before the first
+graphed forward after a graphed backward, every graphed parameter whose
+.grad is still one of those buffers (their addresses noted as each
+backward hands them out) gets a copy of it as .grad: a step with one
+backward and zero_grad(set_to_none=True) copies nothing (the optimizer
+reads the buffers themselves), and the first micro-batch of an
+accumulating step is copied once, where autograd then adds the others in
+place.  Graphed modules thus hold each parameter's gradient once, as eager
+ones do, not a copy beside the graph's buffer.
 """
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -149,7 +154,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
     for c in callables:
         params = [p for p in c.parameters() if p.requires_grad] if isinstance(c, torch.nn.Module) else []
         if params:  # torch's replaying forward (the first-step guard below wraps this one)
-            c.forward = _copying_grads_before_replay(c.forward, params)
+            _grad_buffers.watch(params)
+            c.forward = _grad_buffers.guarded(c.forward)
     for c, eager_forward in zip(callables, eager_forwards):
         if eager_forward is None:
             if isinstance(recipe, DelayedScaling):
@@ -198,32 +204,60 @@ def _eager_until_history(module, graphed_forward, eager_forward, pending):
 _EAGER_CALLS_WARN = 8
 
 
-def _copying_grads_before_replay(graphed_forward, params):
-    """``graphed_forward`` (torch's replaying forward of a module) whose
-    backward node first gives each of ``params`` whose .grad is one of the
-    gradient buffers that node hands out (the module note) a copy as
-    .grad."""
-    buffers = set()  # the addresses of the gradients the graphed backward returns: its static buffers
+class _GradBuffers:
+    """The module note's "gradient accumulation": every graphed parameter
+    (weakly), the addresses of the gradient buffers graphed backwards have
+    handed out, and whether one has run since the last sweep.  One for the
+    process: graphs captured by separate calls may share a pool."""
 
-    def copy_out(grad_outputs):
+    def __init__(self):
+        self.params = {}  # id(parameter) -> weak reference to it
+        self.addresses = set()
+        self.backward_ran = False
+
+    def watch(self, params):
         for p in params:
+            ref = self.params.get(id(p))
+            if ref is None or ref() is not p:
+                self.params[id(p)] = weakref.ref(p)
+
+    def sweep(self):
+        """Give every watched parameter whose .grad is a graph's buffer a
+        copy of it as .grad (before a replay can overwrite the buffer)."""
+        dead = []
+        for key, ref in self.params.items():
+            p = ref()
+            if p is None:
+                dead.append(key)
+                continue
             g = p.grad
-            if g is not None and g.data_ptr() in buffers:
+            if g is not None and g.data_ptr() in self.addresses:
                 p.grad = g.clone()
+        for key in dead:
+            del self.params[key]
+        self.backward_ran = False
+
+    def noted(self, grad_inputs, grad_outputs):
+        """A post-hook of a graphed backward node: the buffers it handed out."""
+        self.addresses.update(t.data_ptr() for t in grad_inputs if isinstance(t, torch.Tensor))
+        self.backward_ran = True
         return None
 
-    def note(grad_inputs, grad_outputs):
-        buffers.update(t.data_ptr() for t in grad_inputs if isinstance(t, torch.Tensor))
-        return None
+    def guarded(self, graphed_forward):
+        """``graphed_forward`` (torch's replaying forward of a module),
+        sweeping first where a graphed backward ran since the last sweep,
+        its backward node noting the buffers it hands out."""
+        @functools.wraps(graphed_forward)
+        def forward(*args, **kwargs):
+            if self.backward_ran:
+                self.sweep()
+            out = graphed_forward(*args, **kwargs)
+            node = next((t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
+                         if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+            if node is not None:
+                node.register_hook(self.noted)
+            return out
+        return forward
 
-    @functools.wraps(graphed_forward)
-    def forward(*args, **kwargs):
-        out = graphed_forward(*args, **kwargs)
-        node = next((t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
-                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-        if node is not None:
-            node.register_prehook(copy_out)
-            if not buffers:
-                node.register_hook(note)
-        return out
-    return forward
+
+_grad_buffers = _GradBuffers()
