@@ -1,5 +1,6 @@
-"""make_graphed_callables' first-step rule and the checkpoint's noted
-choices, on the CPU.
+"""make_graphed_callables' first-step rule, the checkpoint's noted choices
+and the graphed gradients' buffers (kept as .grad, copied out before a
+replay overwrites them), on the CPU.
 
 Delayed scaling's first casts take their scale from their own amax, a host
 choice a CUDA graph replay cannot make, so a graphed module runs eagerly
@@ -18,6 +19,7 @@ import torch
 import seqfuse.pytorch as te
 from seqfuse.common.recipe import DelayedScaling
 from seqfuse.quantization import recompute
+from seqfuse.quantization.gemm_quantizers import storage_holders
 
 
 @pytest.fixture
@@ -99,3 +101,75 @@ def test_a_recompute_choice_the_forward_did_not_make_raises():
         assert recompute.choice_for(("fused_cast", 1, 0), False) is False
     with recompute._replaying(recompute.autocast_state().settings(), casts):
         assert recompute.choice_for(("fused_cast", 1, 0), True) is False
+
+
+@pytest.fixture
+def buffered_graphs(monkeypatch):
+    """A stand-in for torch.cuda.make_graphed_callables with the memory
+    behaviour of real graphs: the backward hands out each gradient as a
+    detached alias of a static buffer of its own, and every forward "replay"
+    overwrites those buffers (NaN), as the forward graphs' temporaries,
+    which share the capture's pool, do on a GPU."""
+    def graph(c):
+        params = list(c.parameters())
+        eager = c.forward
+        buffers = [None] + [torch.empty_like(p) for p in params]
+
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, *ps):
+                for b in buffers[1:]:
+                    b.fill_(float("nan"))
+                ctx.save_for_backward(x)
+                with torch.no_grad():
+                    return eager(x)
+
+            @staticmethod
+            def backward(ctx, dy):
+                x, = ctx.saved_tensors
+                with torch.enable_grad():
+                    xx = x.detach().requires_grad_(True)
+                    grads = torch.autograd.grad(eager(xx), [xx, *params], dy)
+                for b, g in zip(buffers[1:], grads[1:]):
+                    b.copy_(g)
+                return (grads[0],) + tuple(b.detach() for b in buffers[1:])
+
+        c.forward = lambda x: Graphed.apply(x, *params)
+        return c
+
+    def make_graphed_callables(callables, args, num_warmup_iters=3, allow_unused_input=False, pool=None):
+        return tuple(graph(c) for c in callables)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", make_graphed_callables)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_graphed_gradients_survive_replays_and_accumulate(buffered_graphs, micro_batches):
+    """Over several steps of ``micro_batches`` backward passes each, two
+    graphed layers' gradients equal an eager copy's although every forward
+    replay overwrites the gradient buffers the backward handed out; with one
+    backward a step .grad is the graph's buffer itself (no copy kept)."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(te.Linear(32, 32, params_dtype=torch.float32, device="cpu"),
+                                te.Linear(32, 32, params_dtype=torch.float32, device="cpu"))
+    graphed_model = torch.nn.Sequential(*[te.Linear(32, 32, params_dtype=torch.float32, device="cpu")
+                                          for _ in range(2)])
+    graphed_model.load_state_dict(eager.state_dict())
+    layers = te.make_graphed_callables(tuple(graphed_model), tuple((torch.randn(4, 32),) for _ in range(2)))
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(graphed_model.parameters(), lr=0.1)
+    for step in range(3):
+        for _ in range(micro_batches):
+            x = torch.randn(4, 32)
+            eager(x).square().sum().backward()
+            y = x
+            for layer in layers:
+                y = layer(y)
+            y.square().sum().backward()
+        for p, q in zip(eager.parameters(), graphed_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
+            if micro_batches == 1 and storage_holders(q.grad) is not None:
+                assert storage_holders(q.grad) == 2  # .grad and the graph's buffer
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(), opt_g.zero_grad()
