@@ -47,26 +47,13 @@ first replays run at scale 1, and a warning says so.
 Gradient accumulation: torch's graphed backward hands each parameter's
 gradient out as a detached view of the graph's static output buffer, and
 autograd, finding the parameter's .grad empty, keeps that very tensor as
-.grad (it "steals" a gradient nobody else references).  That costs no
-memory, and is right as long as the buffer is not written again while
-.grad still is it: the next backward replay would overwrite it, so a
-second micro-batch's backward would replace the first one's gradient and
-add itself to it.  The buffer is not the graph's alone either: all the
-graphs of one capture share a memory pool, and the backward's static
-buffers sit where the forward graphs keep their temporaries, so the next
-forward replay of any of them overwrites them too.  So before the first
-graphed forward after a graphed backward, every graphed parameter whose
-.grad is still one of those buffers (their addresses noted as each
-backward hands them out) gets a copy of it as .grad: a step with one
-backward and zero_grad(set_to_none=True) copies nothing (the optimizer
-reads the buffers themselves), and the first micro-batch of an
-accumulating step is copied once, where autograd then adds the others in
-place.  Graphed modules thus hold each parameter's gradient once, as eager
-ones do, not a copy beside the graph's buffer.
+.grad (it "steals" a gradient nobody else references).  The next replay
+then overwrites the buffer, so a second micro-batch's backward would
+replace the first one's gradient and add itself to it.  So every parameter of a graphed module gets a hook
+that hands autograd a copy when .grad is still empty (the first
+micro-batch of a step; later ones add in place and need none).
 """
-import functools
 import logging
-import weakref
 
 import torch
 
@@ -151,11 +138,6 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
         cast_while_graphing = {id(st): set().union(*st.history_note()) for st, *_ in saved}
     finally:
         restore_scaling(saved)  # in place: the graphs hold these addresses
-    for c in callables:
-        params = [p for p in c.parameters() if p.requires_grad] if isinstance(c, torch.nn.Module) else []
-        if params:  # torch's replaying forward (the first-step guard below wraps this one)
-            _grad_buffers.watch(params)
-            c.forward = _grad_buffers.guarded(c.forward)
     for c, eager_forward in zip(callables, eager_forwards):
         if eager_forward is None:
             if isinstance(recipe, DelayedScaling):
@@ -168,6 +150,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unuse
                    for i in sorted(cast_while_graphing.get(id(st), set()) - st.history_note()[0])]
         if pending:
             c.forward = _eager_until_history(c, c.forward, eager_forward, pending)
+    for p in modules_in.parameters():
+        if p.requires_grad and not getattr(p, "_seqfuse_graph_grad_copy", False):
+            p.register_hook(_grad_copy_hook(p))
+            p._seqfuse_graph_grad_copy = True
     return graphed[0] if single else graphed
 
 
@@ -204,60 +190,10 @@ def _eager_until_history(module, graphed_forward, eager_forward, pending):
 _EAGER_CALLS_WARN = 8
 
 
-class _GradBuffers:
-    """The module note's "gradient accumulation": every graphed parameter
-    (weakly), the addresses of the gradient buffers graphed backwards have
-    handed out, and whether one has run since the last sweep.  One for the
-    process: graphs captured by separate calls may share a pool."""
-
-    def __init__(self):
-        self.params = {}  # id(parameter) -> weak reference to it
-        self.addresses = set()
-        self.backward_ran = False
-
-    def watch(self, params):
-        for p in params:
-            ref = self.params.get(id(p))
-            if ref is None or ref() is not p:
-                self.params[id(p)] = weakref.ref(p)
-
-    def sweep(self):
-        """Give every watched parameter whose .grad is a graph's buffer a
-        copy of it as .grad (before a replay can overwrite the buffer)."""
-        dead = []
-        for key, ref in self.params.items():
-            p = ref()
-            if p is None:
-                dead.append(key)
-                continue
-            g = p.grad
-            if g is not None and g.data_ptr() in self.addresses:
-                p.grad = g.clone()
-        for key in dead:
-            del self.params[key]
-        self.backward_ran = False
-
-    def noted(self, grad_inputs, grad_outputs):
-        """A post-hook of a graphed backward node: the buffers it handed out."""
-        self.addresses.update(t.data_ptr() for t in grad_inputs if isinstance(t, torch.Tensor))
-        self.backward_ran = True
-        return None
-
-    def guarded(self, graphed_forward):
-        """``graphed_forward`` (torch's replaying forward of a module),
-        sweeping first where a graphed backward ran since the last sweep,
-        its backward node noting the buffers it hands out."""
-        @functools.wraps(graphed_forward)
-        def forward(*args, **kwargs):
-            if self.backward_ran:
-                self.sweep()
-            out = graphed_forward(*args, **kwargs)
-            node = next((t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
-                         if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-            if node is not None:
-                node.register_hook(self.noted)
-            return out
-        return forward
-
-
-_grad_buffers = _GradBuffers()
+def _grad_copy_hook(param):
+    """The hook of the module note's "gradient accumulation": a copy of the
+    incoming gradient while ``param.grad`` is empty (autograd would keep the
+    graph's buffer itself), the gradient as it is otherwise."""
+    def hook(grad):
+        return grad.clone() if param.grad is None else grad
+    return hook
