@@ -40,3 +40,8 @@ def test_reserved_ratio_is_net_of_what_was_reserved_before_and_needs_both_rows()
     assert done["seqfusegraph_fp8"]["mem_vs_best_hf"] == pytest.approx(11.0 / 12.5)
     assert done["seqfusegraph_fp8"]["reserved_vs_best_hf"] == pytest.approx(15.0 / 12.0)
     assert "reserved_vs_best_hf" not in done["seqfuse_fp8"]  # a row without the figure gets no ratio
+    done = {"hf_bf16_compile": row("hf_bf16_compile", 200.0, 13.0, 0.5),
+            "seqfusegraph_fp8": {**row("seqfusegraph_fp8", 250.0, 11.0, 0.0),
+                                 "steady_reserved_gib": 15.0, "start_reserved_gib": 0.0}}
+    B.add_ratios(done)
+    assert "reserved_vs_best_hf" not in done["seqfusegraph_fp8"]  # nor against a peer without it

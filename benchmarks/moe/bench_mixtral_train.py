@@ -324,15 +324,21 @@ def add_ratios(done):
 
 def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile_steps=2, warm_passes=1,
             timed_passes=1, profile_stacks=False, eager_before_graphs=0):
-    """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, peak GiB,
+    """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, memory,
     cuBLASLt heuristic queries a timed step) of row ``name``: ``warm_passes`` untimed passes over ``batches``,
-    then ``timed_passes`` timed ones, the training going on through all of them.  A heuristic query (a plan
-    seqfuse's GEMM cache did not hold) costs host time and can wait for the GPU's queued work."""
+    then ``timed_passes`` timed ones, the training going on through all of them; memory is (peak GiB over all
+    steps, peak over the timed passes, the peak so far after each untimed step, reserved GiB over the timed
+    passes, the eager steps a graphed row took before its capture).  A graphed row captures its layers after
+    ``eager_before_graphs`` untimed steps (at most all but one), inside the peak's window.  A heuristic query (a
+    plan seqfuse's GEMM cache did not hold) costs host time and can wait for the GPU's queued work."""
     model, opt, context, forward, capture = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
     warm = batches + batches * (warm_passes - 1)  # the untimed passes' batches
     # a graphed row's first untimed steps run eagerly, then its layers are captured (--eager-before-graphs)
     before = min(eager_before_graphs, len(warm) - 1) if capture is not None else 0
+    if before < eager_before_graphs and capture is not None:
+        log(f"{name}: --eager-before-graphs {eager_before_graphs} leaves no untimed step to capture after: "
+            f"{before} eager steps")
 
     def step(b):
         with context():
@@ -381,7 +387,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
             f"step: {syncs}")
     del model, opt
     release(device)
-    return seconds, passes, first, final, (peak, steady_peak, warm_peaks, steady_reserved), queries
+    return seconds, passes, first, final, (peak, steady_peak, warm_peaks, steady_reserved, before), queries
 
 
 def max_allocated_gib(device):
@@ -474,7 +480,7 @@ def main(argv=None):
             seconds, passes, first, final, memory, queries = run_row(
                 name, cfg, mcfg, batches, device, dtype, args.seed, args.profile, args.profile_steps,
                 args.warm_passes, args.timed_passes, args.profile_stacks, args.eager_before_graphs)
-            peak, steady_peak, warm_peaks, steady_reserved = memory
+            peak, steady_peak, warm_peaks, steady_reserved, eager_steps = memory
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -484,6 +490,7 @@ def main(argv=None):
                           mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
                           steady_peak_gib=steady_peak, warm_peaks_gib=[round(g, 3) for g in warm_peaks],
                           steady_reserved_gib=steady_reserved, start_reserved_gib=start_reserved,
+                          eager_steps_before_graphs=eager_steps if name.startswith("seqfusegraph_") else None,
                           first_loss=first, final_loss=final,
                           pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries,
                           optimizer=OPTIMIZERS[optimizer_suffix(name)][0])

@@ -4,7 +4,8 @@
 # eagerly beside the graphs' pool), in one process with the transformers rows (run a) and again (run b); then the
 # compiled transformers row, the eager-layer row and the graphed row each alone, for reserved memory from an empty
 # allocator.  First the cuda tests of graphed modules: graphed layers now hold each parameter's gradient once (the
-# graph's buffer, copied out only before a replay that would overwrite it).  Carry .whl and .s52/carry (gpu_call_s53_1_not_run.sh's header says how to make them):
+# graph's buffer, copied out only before a replay that would overwrite it).  Carry .whl and .s52/carry
+# (gpu_call_s53_1_not_run.sh's header says how to make them):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s53_4.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }

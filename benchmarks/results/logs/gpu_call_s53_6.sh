@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session 53's sixth GPU call: call 4's Mixtral rows again at the shipped code (graphed gradients copied beside the
+# graph's buffers again, as before s53), the graphed row captured after two eager steps: run a with the transformers
+# rows, then the graphed row alone for its reserved memory.  Carry .whl and .s52/carry:
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s53_6.sh
+set -uo pipefail
+pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
+source benchmarks/gpu_lib.sh  # gpu_setup, gpu_extension, gpu_build, run
+gpu_setup s53
+nvidia-smi --query-gpu=name --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "hydra installed"
+gpu_extension .s52/carry
+M="cd benchmarks && python3 moe/bench_mixtral_train.py --steps 8 --timed-passes 5 --eager-before-graphs 2 --rows"
+G=seqfusegraph_fp8_delayed_fused_adamw
+TAIL=9 run 200 mixtral_a bash -c "$M hf_bf16,hf_bf16_compile,$G,seqfuse_fp8_delayed_fused_adamw"
+cp benchmarks/results/moe_mixtral_train.json "$LOG/moe_mixtral_train_a.json"
+TAIL=1 run 90 alone_graphed bash -c "$M $G"
+cp benchmarks/results/moe_mixtral_train.json "$LOG/moe_mixtral_train_alone_graphed.json"
+exit $status
