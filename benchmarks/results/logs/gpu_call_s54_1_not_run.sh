@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Session 53's sixth GPU call: call 4's Mixtral rows again at the shipped code (graphed gradients copied beside the
-# graph's buffers again, as before s53), the graphed row captured after two eager steps: run a with the transformers
-# rows, then the graphed row alone for its reserved memory.  Carry .whl and .s52/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s53_6.sh
+# A GPU call written in session 53, not run (its device time ran out), best on an H200 (issue 18's machine): s53
+# call 4's Mixtral rows again at the shipped code (graphed gradients copied beside the graph's buffers again, as
+# before s53; call 4 ran 2a2f5da, which kept the buffers as .grad), the graphed row captured after two eager steps:
+# run a with the transformers rows, then the graphed row alone for its reserved memory.  Carry .whl and .s52/carry
+# (gpu_call_s53_1_not_run.sh's header says how to make them):
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_1_not_run.sh
 set -uo pipefail
 pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
 source benchmarks/gpu_lib.sh  # gpu_setup, gpu_extension, gpu_build, run
