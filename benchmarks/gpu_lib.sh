@@ -18,6 +18,13 @@
 #                      or where it does not import, gpu_build (said either way).
 #                      Carried xz-compressed: the tree and what is carried must
 #                      stay under 64 MiB
+#   gpu_prebuilt NAME DIR
+#                      gpu_setup NAME (with pack archiving $LOG into
+#                      $OUT/logs.tgz where the script defined none), the GPU's
+#                      name, the wheels carried in .whl installed without an
+#                      index (hydra for the recipes' configs), then
+#                      gpu_extension DIR: the start of a call that carries a
+#                      prebuilt extension
 #   run LIMIT NAME CMD...
 #                      CMD with a LIMIT-second limit, its output in $LOG/NAME.log,
 #                      then the log's last ${TAIL:-25} lines; a failure sets
@@ -34,6 +41,16 @@ gpu_setup() {
     trap pack EXIT
     trap "exit 143" TERM
     status=0
+}
+
+gpu_prebuilt() {
+    declare -F pack > /dev/null || pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
+    gpu_setup "$1"
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    if ls .whl/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "wheels from .whl installed"
+    fi
+    gpu_extension "$2"
 }
 
 gpu_build() {

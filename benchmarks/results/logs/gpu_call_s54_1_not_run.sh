@@ -6,12 +6,8 @@
 # (gpu_call_s53_1_not_run.sh's header says how to make them):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_1_not_run.sh
 set -uo pipefail
-pack() { tar czf "$OUT/logs.tgz" -C "$LOG" .; }
-source benchmarks/gpu_lib.sh  # gpu_setup, gpu_extension, gpu_build, run
-gpu_setup s53
-nvidia-smi --query-gpu=name --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1 && echo "hydra installed"
-gpu_extension .s52/carry
+source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
+gpu_prebuilt s54 .s52/carry
 M="cd benchmarks && python3 moe/bench_mixtral_train.py --steps 8 --timed-passes 5 --eager-before-graphs 2 --rows"
 G=seqfusegraph_fp8_delayed_fused_adamw
 TAIL=9 run 200 mixtral_a bash -c "$M hf_bf16,hf_bf16_compile,$G,seqfuse_fp8_delayed_fused_adamw"
