@@ -105,7 +105,11 @@ untimed passes over the very batches, then ``--timed-passes`` (default 5)
 timed passes, each with the GPU synchronized before and after it only; a
 row's rate is the median pass's (of an even count the slower middle one),
 every pass's kept in the JSON (pass_tokens_per_s); the final loss and the
-peak memory are after all of them.  Reported: unpadded tokens/s, vs_hf (against
+peak memory are after all of them.  A graphed row captures its layers
+inside that window, before its first untimed step or, with
+``--eager-before-graphs N``, after N eager ones (under delayed scaling 2
+keep the first graphed steps from running eagerly beside the graphs'
+pool, where the row's peak otherwise falls).  Reported: unpadded tokens/s, vs_hf (against
 hf_bf16), vs_best_hf (against the fastest transformers row timed before it:
 put the hf rows first) and vs_hf_loop, MFU of the active weights' FLOPs
 (mixtral_recipe.trainer.train_flops) against the measured bf16 ceiling (794
