@@ -51,7 +51,13 @@ autograd, finding the parameter's .grad empty, keeps that very tensor as
 then overwrites the buffer, so a second micro-batch's backward would
 replace the first one's gradient and add itself to it.  So every parameter of a graphed module gets a hook
 that hands autograd a copy when .grad is still empty (the first
-micro-batch of a step; later ones add in place and need none).
+micro-batch of a step; later ones add in place and need none).  Keeping
+the buffer itself as .grad would save that copy, but it is not the
+backward graph's alone: the graphs of a capture share one memory pool,
+and the next forward replay of any of them writes its temporaries where
+the backward's buffers lie.  Such a design must copy .grad out before any
+replay in the pool and before a second backward through one forward
+(tests/test_graphs_first_step.py has a stand-in of that behaviour).
 """
 import logging
 
