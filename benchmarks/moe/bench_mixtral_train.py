@@ -330,11 +330,12 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
             timed_passes=1, profile_stacks=False, eager_before_graphs=0):
     """(median seconds of the timed passes, every timed pass's seconds, the first and the last loss, memory,
     cuBLASLt heuristic queries a timed step) of row ``name``: ``warm_passes`` untimed passes over ``batches``,
-    then ``timed_passes`` timed ones, the training going on through all of them; memory is (peak GiB over all
-    steps, peak over the timed passes, the peak so far after each untimed step, reserved GiB over the timed
-    passes, the eager steps a graphed row took before its capture).  A graphed row captures its layers after
-    ``eager_before_graphs`` untimed steps (at most all but one), inside the peak's window.  A heuristic query (a
-    plan seqfuse's GEMM cache did not hold) costs host time and can wait for the GPU's queued work."""
+    then ``timed_passes`` timed ones, the training going on through all of them; memory: the row's JSON fields
+    peak_gib (over all steps), steady_peak_gib (the timed passes), warm_peaks_gib (the peak so far after each
+    untimed step), steady_reserved_gib (reserved, the timed passes) and eager_steps_before_graphs.  A graphed
+    row captures its layers after ``eager_before_graphs`` untimed steps (at most all but one), inside the peak's
+    window.  A heuristic query (a plan seqfuse's GEMM cache did not hold) costs host time and can wait for the
+    GPU's queued work."""
     model, opt, context, forward, capture = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
     warm = batches + batches * (warm_passes - 1)  # the untimed passes' batches
@@ -362,7 +363,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
         loss = step(b)
         if i == 0:
             first = float(loss)  # same weights, same batch in every row
-        warm_peaks.append(max_allocated_gib(device))
+        warm_peaks.append(gib(device, torch.cuda.max_memory_allocated))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()  # the timed passes' own peak as well (the row's peak keeps the max)
     passes = []
@@ -375,12 +376,14 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
         passes.append(time.perf_counter() - t0)
     seconds = statistics.median_high(passes)  # (a pass's own time; of an even count the slower middle one)
     queries = (_gemm_module().heuristic_queries() - queries) / (timed_passes * len(batches))
-    steady_peak = max_allocated_gib(device)
-    peak = max(warm_peaks + [steady_peak])
-    # what the caching allocator held from the GPU at most over the timed passes: a CUDA graph's private pool
-    # keeps the memory of its captured intermediates, which max_memory_allocated no longer counts once the
-    # capture freed them (the replays write there without the allocator)
-    steady_reserved = torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
+    steady_peak = gib(device, torch.cuda.max_memory_allocated)
+    # steady_reserved_gib: what the caching allocator held from the GPU at most over the timed passes: a CUDA
+    # graph's private pool keeps the memory of its captured intermediates, which max_memory_allocated no
+    # longer counts once the capture freed them (the replays write there without the allocator)
+    memory = dict(peak_gib=max(warm_peaks + [steady_peak]), steady_peak_gib=steady_peak,
+                  warm_peaks_gib=[round(g, 3) for g in warm_peaks],
+                  steady_reserved_gib=gib(device, torch.cuda.max_memory_reserved),
+                  eager_steps_before_graphs=before if capture is not None else None)
     final = float(losses[-1])
     if profile:
         from profile_summary import profile_row
@@ -391,11 +394,12 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
             f"step: {syncs}")
     del model, opt
     release(device)
-    return seconds, passes, first, final, (peak, steady_peak, warm_peaks, steady_reserved, before), queries
+    return seconds, passes, first, final, memory, queries
 
 
-def max_allocated_gib(device):
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+def gib(device, stat):
+    """torch.cuda's memory statistic ``stat`` (memory_allocated, max_memory_reserved, ...) in GiB; NaN off CUDA."""
+    return stat() / 2**30 if device.type == "cuda" else float("nan")
 
 
 def _gemm_module():
@@ -414,10 +418,6 @@ def release(device):
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def allocated_gib(device):
-    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
 
 
 def main(argv=None):
@@ -478,29 +478,26 @@ def main(argv=None):
                                         "final_loss", "error"])
     done = {}
     for name in rows:
-        start = allocated_gib(device)  # what earlier rows left allocated (release() frees it: about 0)
-        start_reserved = torch.cuda.memory_reserved() / 2**30 if device.type == "cuda" else float("nan")
+        start = gib(device, torch.cuda.memory_allocated)  # what earlier rows left (release() frees it: about 0)
+        start_reserved = gib(device, torch.cuda.memory_reserved)
         try:
             seconds, passes, first, final, memory, queries = run_row(
                 name, cfg, mcfg, batches, device, dtype, args.seed, args.profile, args.profile_steps,
                 args.warm_passes, args.timed_passes, args.profile_stacks, args.eager_before_graphs)
-            peak, steady_peak, warm_peaks, steady_reserved, eager_steps = memory
         except Exception as e:  # noqa: BLE001 - a failing row keeps its reason, the others run
             traceback.print_exc()
             table.add(row=name, error=f"{type(e).__name__}: {str(e)[:300]}")
             release(device)
             continue
         done[name] = dict(row=name, unpadded_tokens_per_s=real / seconds, step_ms=1000 * seconds / len(batches),
-                          mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), peak_gib=peak, start_gib=start,
-                          steady_peak_gib=steady_peak, warm_peaks_gib=[round(g, 3) for g in warm_peaks],
-                          steady_reserved_gib=steady_reserved, start_reserved_gib=start_reserved,
-                          eager_steps_before_graphs=eager_steps if name.startswith("seqfusegraph_") else None,
-                          first_loss=first, final_loss=final,
+                          mfu_pct=100 * flops / seconds / (MEASURED_TFLOPS * 1e12), **memory, start_gib=start,
+                          start_reserved_gib=start_reserved, first_loss=first, final_loss=final,
                           pass_tokens_per_s=[round(real / s) for s in passes], gemm_queries_per_step=queries,
                           optimizer=OPTIMIZERS[optimizer_suffix(name)][0])
-        log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {peak:.2f} GiB ({start:.2f} left before; "
-            f"timed passes {steady_peak:.2f}, after each untimed step {', '.join(f'{g:.2f}' for g in warm_peaks)}; "
-            f"reserved over the timed passes {steady_reserved:.2f}, {start_reserved:.2f} before), "
+        log(f"{name}: {real / seconds / 1e3:.1f}k unpadded tokens/s, peak {memory['peak_gib']:.2f} GiB ({start:.2f} "
+            f"left before; timed passes {memory['steady_peak_gib']:.2f}, after each untimed step "
+            f"{', '.join(f'{g:.2f}' for g in memory['warm_peaks_gib'])}; reserved over the timed passes "
+            f"{memory['steady_reserved_gib']:.2f}, {start_reserved:.2f} before), "
             f"{queries:.2f} cuBLASLt heuristic queries a timed step")
     add_ratios(done)
     for r in done.values():
