@@ -2,10 +2,13 @@
 # Session 54, call 2 (an H200): where the graphed Mixtral-small FP8 step's time goes on the H200 (call 1 measured
 # it at 2.128x eager transformers there, under the 2.2x goal: one profiled step after two eager steps and the
 # capture), the SwiGLU backward pass alone (bench_swiglu_backward.py), and accelerate() on the Llama 1B shape at
-# 4,096 tokens (issue 21) with its peers, Liger-Kernel from .whl.  Carry .whl and .s52/carry:
+# 4,096 tokens (issue 21) with its peers, Liger-Kernel from .whl.  The committed Python package comes from
+# .s54/carry/pkg_head.tar.xz (git archive HEAD python/seqfuse), over any uncommitted edits in the working tree.
+# Carry .whl, .s52/carry and .s54/carry:
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_2.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
+tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
 gpu_prebuilt s54 .s52/carry
 R=seqfusegraph_fp8_delayed_fused_adamw
 TAIL=3 run 100 mixtral_prof bash -c "cd benchmarks && python3 moe/bench_mixtral_train.py --rows $R --steps 2 \
