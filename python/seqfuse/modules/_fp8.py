@@ -26,8 +26,6 @@ _log = logging.getLogger("seqfuse")
 
 def _bias(bias, out_dtype):
     """cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)."""
-    if bias is None:
-        return None
     want = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     return bias if bias.dtype == want else bias.to(want)
 
@@ -109,7 +107,9 @@ def gemm(a, b, out_dtype, *, bias=None, fast_accum=False, out=None, accumulate=F
     (``addend``: plus that [m, n] tensor, in the epilogue)."""
     if out is None:
         out = torch.empty(a[0].shape[0], b[0].shape[0], dtype=out_dtype, device=a[0].device)
-    return fp8_gemm_nt(a[0], a[1], a[2], b[0], b[1], b[2], out, bias=_bias(bias, out.dtype),
+    if bias is not None:
+        bias = _bias(bias, out.dtype)
+    return fp8_gemm_nt(a[0], a[1], a[2], b[0], b[1], b[2], out, bias=bias,
                        accumulate=accumulate, fast_accum=fast_accum, addend=addend)
 
 
@@ -133,7 +133,7 @@ def forward(xq, pair, kind, out_dtype, bias, rows, residual=None):
         padded[:rows].copy_(residual)  # (the padding rows' outputs are cut off: left as they are)
         residual = padded
     y = gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block", addend=residual)
-    return row_prefix(y, rows)
+    return y if mp == rows else row_prefix(y, rows)
 
 
 _logged_copied_residual = []
@@ -152,7 +152,10 @@ def backward(g, x_col, w_dgrad, kind, out_dtype, rows, need_dx, need_dw, w_dtype
     (returned None)."""
     dx = dw = None
     if need_dx:
-        dx = row_prefix(gemm(rowwise(g, kind), w_dgrad, out_dtype), rows)
+        a = rowwise(g, kind)
+        dx = gemm(a, w_dgrad, out_dtype)
+        if a[0].shape[0] != rows:  # (padded token rows: cut off)
+            dx = row_prefix(dx, rows)
     if need_dw:
         g_col = columnwise(g, kind)
         if main_grad is not None:

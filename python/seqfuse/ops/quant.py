@@ -4,8 +4,8 @@ import math
 import torch
 
 from .. import _C
-from ._call import (FP8_DLPACK, as_float, as_int, empty, given_out, mark_written, require_fp8_dlpack,
-                    stream_for)
+from ._call import (FAST_EXCHANGE, FP8_DLPACK, as_float, as_int, empty, given_out, mark_written,
+                    require_fp8_dlpack, stream_for)
 from .buffers import new_or_transient
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
@@ -204,10 +204,13 @@ def cast_fp8_into(x, scale, amax, out, out_t, scale_inv, col_sums=None, dbias=No
     in its error.  Returns None."""
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("cast_fp8")
+    # (the hot "_into" entries pass None for the stream without calling stream_for where the extension
+    # asks torch itself: FAST_EXCHANGE, stream_for's own first test)
     if col_sums is None:
-        _C.cast_fp8(x, scale, amax, out, out_t, scale_inv, stream_for(x))
+        _C.cast_fp8(x, scale, amax, out, out_t, scale_inv, None if FAST_EXCHANGE else stream_for(x))
     else:
-        _C.cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, stream_for(x), dbias)
+        _C.cast_fp8_dbias(x, scale, amax, out, out_t, scale_inv, col_sums, None if FAST_EXCHANGE else stream_for(x),
+                          dbias)
 
 
 def cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, margin=0, col_sums=None, dbias=None):
@@ -221,9 +224,10 @@ def cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, margin=0, col_s
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("cast_fp8_current")
     if col_sums is None:
-        _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x))
+        _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, None if FAST_EXCHANGE else stream_for(x))
     else:
-        _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, stream_for(x), col_sums, dbias)
+        _C.cast_fp8_current(x, amax, scale, scale_inv, out, out_t, margin, None if FAST_EXCHANGE else stream_for(x),
+                            col_sums, dbias)
 
 
 def _check_rows(op, rows, m):
@@ -298,7 +302,7 @@ def transpose_fp8_into(data, out):
     weight gradient); the C entry checks every argument.  Returns None."""
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("transpose_fp8")
-    _C.transpose_fp8(data, out, stream_for(data))
+    _C.transpose_fp8(data, out, None if FAST_EXCHANGE else stream_for(data))
 
 
 def dequantize_fp8(data, scale_inv, out_dtype=torch.float32, *, out=None):
@@ -353,7 +357,7 @@ def fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo="max", margin
             fp8_max = torch.full((amax_history.shape[1],), value, dtype=torch.float32, device=amax_history.device)
     _C.fp8_scale_update(amax_history, scale, scale_inv, fp8_max, algo_id,
                         as_int(op, "margin", margin),
-                        stream_for(amax_history))
+                        None if FAST_EXCHANGE else stream_for(amax_history))
 
 
 def fp8_compute_scale(amax, scale, scale_inv, fp8_max, margin=0):
@@ -505,7 +509,7 @@ def quantize_block_fp8_weight_into(w, data, scale_inv, data_t, scale_inv_t):
     shapes are known; the C entry checks every argument.  Returns None."""
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("quantize_block_fp8_weight")
-    _C.quantize_block_fp8_weight(w, data, scale_inv, data_t, scale_inv_t, stream_for(w))
+    _C.quantize_block_fp8_weight(w, data, scale_inv, data_t, scale_inv_t, None if FAST_EXCHANGE else stream_for(w))
 
 
 def quantize_rowwise_fp8(x, fp8_dtype=torch.float8_e4m3fn):
@@ -595,9 +599,10 @@ def quantize_block_fp8_rowcol_into(x, data, scale_inv, data_t, scale_inv_t, col_
     if not FP8_DLPACK:  # (a flag test on the quantizers' hot path, not a call)
         require_fp8_dlpack("quantize_block_fp8_rowcol")
     if col_sums is None:
-        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x))
+        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, None if FAST_EXCHANGE else stream_for(x))
     else:
-        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, stream_for(x), col_sums, dbias)
+        _C.quantize_block_fp8_rowcol(x, data, scale_inv, data_t, scale_inv_t, None if FAST_EXCHANGE else stream_for(x),
+                                     col_sums, dbias)
 
 
 def dequantize_block_fp8(data, scale_inv, block_rows=1, out_dtype=torch.float32):

@@ -49,10 +49,14 @@ __all__ = ["AutocastState", "autocast_state", "is_fp8_enabled", "get_recipe", "g
            "quantized_model_init_state"]
 
 
+#: (fixed for the process: asked once, not at every step's update)
+_DISTRIBUTED = torch.distributed.is_available()
+
+
 def _default_group(recipe, group):
     if group is not None:
         return group
-    if (getattr(recipe, "reduce_amax", True) and torch.distributed.is_available()
+    if (getattr(recipe, "reduce_amax", True) and _DISTRIBUTED
             and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return torch.distributed.group.WORLD
     return None
@@ -77,7 +81,7 @@ def reduce_and_update(recipe, group=None, *, nested=()):
             continue
         seen.add(key)
         for chunk in POOL.chunks_for(algo, margin):
-            if chunk.history.shape[0] != history_len or chunk in updated:
+            if chunk.key[1] != history_len or chunk in updated:  # (key: device, history length, algo, margin)
                 continue
             updated.append(chunk)
             history, scale, scale_inv, fp8_max = chunk.used_views()

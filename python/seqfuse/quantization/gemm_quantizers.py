@@ -696,11 +696,12 @@ class WeightQuantizer(_Role):
         if in_capture is None:
             in_capture = device_checks.capturing(weight)
         src = (weight,) if sources is None else sources
-        key = weight_key(src, o.kind, o.fmt, weight.shape, weight.dtype, weight.device)
+        kind, fmt = o.kind, o.recipe.fp8_format  # (o.fmt's read, without the property's call)
+        key = weight_key(src, kind, fmt, weight.shape, weight.dtype, weight.device)
         old = self.key
         # (a pair cast under torch.inference_mode holds inference tensors, which autograd refuses
         # to save: outside that mode it is cast again)
-        if (self.pair is not None and old is not None and old[:2] == key[:2] and not in_capture
+        if (self.pair is not None and old is not None and old[0] == kind and old[1] == fmt and not in_capture
                 and (not self.inference or torch.is_inference_mode_enabled())):
             if is_first_microbatch is False:
                 return self.pair, None

@@ -34,7 +34,7 @@ _CHUNK_FLOATS = 1 << 20
 
 
 class _Chunk:
-    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "live", "key", "_used_views",
+    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "_live", "key", "_used_views",
                  "__weakref__")
 
     def __init__(self, key, h, cap, device):
@@ -44,8 +44,19 @@ class _Chunk:
         self.scale_inv = torch.ones(cap, dtype=torch.float32, device=device)
         self.fp8_max = torch.full((cap,), 448.0, dtype=torch.float32, device=device)
         self.used = 0   # columns handed out (bump allocation)
-        self.live = 0   # columns of states that still live here
+        self._live = 0   # columns of states that still live here
         self._used_views = None
+
+    @property
+    def live(self):
+        return self._live
+
+    @live.setter
+    def live(self, n):
+        # whether a chunk holds live states changes what POOL.chunks_for answers
+        if (n > 0) != (self._live > 0):
+            POOL.changed()
+        self._live = n
 
     @property
     def capacity(self):
@@ -69,6 +80,11 @@ class _Pool:
 
     def __init__(self):
         self.chunks = {}  # key -> [chunk, ...]
+        self._live_chunks = {}  # chunks_for's answers, (algo, margin) -> tuple, until changed() empties it
+
+    def changed(self):
+        """A chunk was added, or came to hold live states or stopped holding any."""
+        self._live_chunks = {}
 
     def allocate(self, key, n):
         device, h = key[0], key[1]
@@ -76,17 +92,23 @@ class _Pool:
         if not chunks or chunks[-1].capacity - chunks[-1].used < n:
             cap = max(n, min(65536, max(256, _CHUNK_FLOATS // h)))
             chunks.append(_Chunk(key, h, cap, device))
+            self.changed()
         c = chunks[-1]
         off = c.used
         c.used += n
         return c, off
 
     def chunks_for(self, algo=None, margin=None):
-        """A list of the chunks that hold live states (a chunk whose states
+        """A tuple of the chunks that hold live states (a chunk whose states
         all moved to another device or died is left out, and dropped once it
         is not the one new states are allocated from).  Read at every
         delayed-scaling update: one pass over a snapshot of the keys (a state
-        pooled meanwhile by another thread adds one)."""
+        pooled meanwhile by another thread adds one), kept until a chunk is
+        added or starts or stops holding live states (changed())."""
+        kept = self._live_chunks
+        live = kept.get((algo, margin))
+        if live is not None:
+            return live
         live = []
         for key, chunks in list(self.chunks.items()):
             if (algo is None or key[2] == algo) and (margin is None or key[3] == margin):
@@ -95,10 +117,12 @@ class _Pool:
                         live.append(c)
                 if len(chunks) > 1 and any(c.live <= 0 for c in chunks[:-1]):
                     chunks[:-1] = [c for c in chunks[:-1] if c.live > 0]
+        live = kept[(algo, margin)] = tuple(live)
         return live
 
     def clear(self):
         self.chunks.clear()
+        self.changed()
 
 
 POOL = _Pool()
@@ -248,7 +272,8 @@ class ScalingState(nn.Module):
         v = self._views
         if v is None or index not in self._with_history:
             return None
-        fmt = self._format()
+        # the recipe's format attribute as it is (_format's answer, kept with it, follows from it)
+        fmt = getattr(self.recipe, "fp8_format", None)
         kept = self._steady
         b = self._buffers
         if (kept is None or kept[0] is not v or kept[1] is not fmt or kept[2] is not b["scale"]
@@ -259,7 +284,7 @@ class ScalingState(nn.Module):
                 return None
         args = kept[4].get(index)
         if args is None:
-            args = kept[4][index] = (v[1][index], v[0][index], fmt._value_.dtypes[index in self.backward_indices])
+            args = kept[4][index] = (v[1][index], v[0][index], self.fp8_dtype(index))
         return args
 
     def scale_of(self, index):
