@@ -40,7 +40,11 @@ scale inverse its backward reads, modules._fp8.weight_saved) and makes new ones
 otherwise.  The write in place bypasses the caching allocator's stream
 tracking: it is ordered after the GEMMs that read the old bytes only where
 they ran on the stream that re-casts (a module's FP8 work moved between
-streams needs the streams synchronised first).  torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
+streams needs the streams synchronised first).  A training loop's steady
+call (the same parameter, request and recipe; a reuse, or a re-cast into
+the cached buffers) takes a short path, WeightQuantizer._steady, which
+checks what the general path would and leaves every other case to it.
+torch's fused optimizers (``AdamW(fused=True)`` and the like) write the
 parameters in their kernels without moving the version counters, so the key
 also holds how many torch.optim optimizer steps covered each parameter (a
 post-step hook registered at import counts them, per parameter of the
@@ -631,6 +635,11 @@ class WeightQuantizer(_Role):
         cached without it makes the input-gradient operand from the cached
         bytes (a byte transpose: the bits the cast would have written) and
         keeps it.  Under CUDA graph capture both are made."""
+        param = self.param
+        if sources is None and param is not None and len(param) == 1 and param[0] is weight:
+            pair = self._steady(weight, is_first_microbatch, transposed)
+            if pair is not None:
+                return pair
         in_capture = device_checks.capturing(weight)
         grad = transposed or in_capture
         pair, note = self.lookup(weight, is_first_microbatch, sources, grad, in_capture)
@@ -655,17 +664,59 @@ class WeightQuantizer(_Role):
         allocations and frees."""
         old = self.pair
         if (old is None or self.key is None or note[2] or self.key[:-1] != note[0][:-1]
-                or (old[1] is not None) != transposed or (old[1] is None and self.owner.kind == "block")
                 or self.inference != torch.is_inference_mode_enabled()):
             return None
-        q, qt = old
-        if self.owner.kind == "block":
-            return old if _unshared(q.scale_inv) and _unshared(qt.scale_inv) else None
+        return old if self._writable(old, transposed) else None
+
+    def _writable(self, pair, transposed):
+        """Whether a cast with the request ``transposed`` may write into the
+        cached ``pair``'s buffers (_spare's rules on the pair itself): it is
+        in the form that cast makes, and no other tensor holds its scale
+        inverses' storage."""
+        q, qt = pair
+        if (qt is not None) != transposed:
+            return False
+        if self.owner.kind == "block":  # (the four buffers of W and W^T; no spare for W alone)
+            return qt is not None and _unshared(q.scale_inv) and _unshared(qt.scale_inv)
         # per tensor, the form _cast_weight makes: one operand serving both GEMMs, with its data_t
         # where transposed (not a pair whose W^T was made later from the bytes: _transposed_operand)
         if (qt is q) != transposed or (q.data_t is not None) != transposed:
+            return False
+        return _unshared(q.scale_inv)
+
+    def _steady(self, weight, is_first_microbatch, transposed):
+        """get's answer for a training loop's steady case, taken without the
+        general path's frames and key building, or None (get's general path
+        then decides, with the same checks).  The case: ``weight`` is the
+        very tensor the cached pair was cast from (get's check: ``param``),
+        no capture, the recipe kind and format, inference mode and
+        ``transposed`` form the pair was cast under.  Then what lookup()
+        decides: reuse (is_first_microbatch False; None with the weight's
+        key unchanged and no FSDP2), else a re-cast of a weight of the same
+        shape, dtype and device into the pair's own buffers where _writable
+        allows, counted and keyed as store() keys it."""
+        key, pair = self.key, self.pair
+        if key is None or pair is None or device_checks.capturing(weight):
             return None
-        return old if _unshared(q.scale_inv) else None
+        o = self.owner
+        inference = torch.is_inference_mode_enabled()
+        if (key[0] != o.kind or key[1] != o.recipe.fp8_format or self.inference != inference
+                or (pair[1] is not None) != transposed):
+            return None
+        if is_first_microbatch is False:
+            return pair
+        # (the key's head: kind, format, shape, dtype, device; then the one source's stamp)
+        if key[2] != weight.shape or key[3] != weight.dtype or key[4] != weight.device:
+            return None
+        stamp = _stamp(weight)
+        if is_first_microbatch is None and (stamp,) == key[5] and not fsdp2_in_use():
+            return pair
+        if not self._writable(pair, transposed):
+            return None
+        self._recast(weight, pair)  # (no detach: the C entries take a tensor that requires grad as its memory)
+        self.casts += 1
+        self.key = (*key[:5], (stamp,))
+        return pair
 
     def _transposed_operand(self, q):
         """The input-gradient operand from the forward operand ``q``'s FP8
@@ -748,27 +799,16 @@ class WeightQuantizer(_Role):
             if not transposed:  # (no spare: _spare offers none here)
                 return (quantize_block(w, 128, self.fp8_dtype), None), None
             # W and W^T's 128x128 blocks (bytes and scales) in one call
-            w = w.contiguous()
             if spare is not None:
-                q, qt = spare
-                qops.quantize_block_fp8_weight_into(w, q.data, q.scale_inv, qt.data, qt.scale_inv)
-                written_in_place(q.scale_inv, qt.scale_inv)
-                return spare, None
+                return spare, self._recast(w, spare, in_capture)
+            w = w.contiguous()
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
             return (Float8BlockTensor(data, si, 128, dtype=w.dtype, shape=w.shape),
                     Float8BlockTensor(data_t, si_t, 128, dtype=w.dtype)), None
-        # current scaling of the weight: its own amax (under delayed scaling
-        # written into the state's weight slot), both copies in one call
-        scratch = self._scratch(w, in_capture)
-        amax, scale = scratch
-        if o.kind == "delayed":
-            amax = o.state.amax_of(self.index)
         if spare is not None:
-            q = spare[0]
-            qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
-            increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
-            return spare, scratch
+            return spare, self._recast(w, spare, in_capture)
+        scratch, amax, scale = self._weight_scratch(w, in_capture)
         fp8_dtype = self.fp8_dtype
         dev = w.device
         k = w.shape[-1]
@@ -778,6 +818,29 @@ class WeightQuantizer(_Role):
         qops.cast_fp8_current_into(w.contiguous(), amax, scale, scale_inv, data, data_t, o.margin)
         q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
         return (q, q if transposed else None), scratch
+
+    def _weight_scratch(self, w, in_capture=None):
+        """(scratch, amax, scale) of a per-tensor cast of the weight ``w``:
+        current scaling of the weight from its own amax (under delayed
+        scaling written into the state's weight slot)."""
+        scratch = self._scratch(w, in_capture)
+        o = self.owner
+        return scratch, (o.state.amax_of(self.index) if o.kind == "delayed" else scratch[0]), scratch[1]
+
+    def _recast(self, w, spare, in_capture=False):
+        """Cast the weight ``w`` into the buffers of the cached pair ``spare``
+        (_spare's or _steady's: _writable holds), both copies in one call;
+        returns the (amax, scale) scratch the cast used, or None."""
+        o = self.owner
+        q, qt = spare
+        if o.kind == "block":
+            qops.quantize_block_fp8_weight_into(w.contiguous(), q.data, q.scale_inv, qt.data, qt.scale_inv)
+            written_in_place(q.scale_inv, qt.scale_inv)
+            return None
+        scratch, amax, scale = self._weight_scratch(w, in_capture)
+        qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
+        increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
+        return scratch
 
 
 # A cached weight pair's buffers are written again only where no other tensor shares their scale
@@ -838,9 +901,13 @@ def weight_key(src, *head):
     note).  Compared with same_weights; WeightQuantizer and GroupedLinear's
     device-split FP8 weights (each keeping its own cache) share it."""
     if len(src) == 1:  # (a module's own weight: the common case, without a comprehension)
-        t = src[0]
-        return (*head, ((t.data_ptr(), t._version, _steps_of(t)),))
-    return (*head, tuple([(t.data_ptr(), t._version, _steps_of(t)) for t in src]))
+        return (*head, (_stamp(src[0]),))
+    return (*head, tuple([_stamp(t) for t in src]))
+
+
+def _stamp(t):
+    """What weight_key keeps of the source tensor ``t``."""
+    return t.data_ptr(), t._version, _steps_of(t)
 
 
 # A fused optimizer's kernel writes the parameters without moving their version counters, so the
