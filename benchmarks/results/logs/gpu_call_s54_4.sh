@@ -2,7 +2,7 @@
 # Session 54, call 4 (best on an H200; calls 2 and 3 never got a machine, and this one does the parts of them that
 # fit in the device time left): where the graphed Mixtral-small FP8 step's time goes on the H200 (call 1: 2.128x
 # eager transformers, under the 2.2x goal; one profiled step after two eager steps and the capture); then the FP8
-# host-work trims (25ed71e) on a GPU: the cuda tests of the FP8 modules and bench_fp8_host with seqfuse's kernels
+# host-work trims (25ed71e, 6e31002) on a GPU: the cuda tests of the FP8 modules and bench_fp8_host with seqfuse's kernels
 # running, alternating the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz) and after (HEAD's
 # archive, .s54/carry/pkg_head.tar.xz, unpacked over the working tree), over one prebuilt extension.
 # Carry .whl, .s52/carry and .s54/carry:
