@@ -3,7 +3,7 @@
 # modules, then bench_fp8_host alternating the package before them (820b22b, from .s54/carry/pkg_old_820b22b.tar.xz)
 # and after (HEAD's archive), two rounds each with seqfuse's kernels running and stubbed, over one prebuilt
 # extension.  Carry .whl, .s52/carry and .s54/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_3.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_3_not_run.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"

@@ -5,7 +5,7 @@
 # 4,096 tokens (issue 21) with its peers, Liger-Kernel from .whl.  The committed Python package comes from
 # .s54/carry/pkg_head.tar.xz (git archive HEAD python/seqfuse), over any uncommitted edits in the working tree.
 # Carry .whl, .s52/carry and .s54/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_2.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_2_not_run.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
