@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Session 54, call 5 (best on an H200): gpu_call_s54_4_not_run.sh cut to the device time left (calls 2-4 never got a
-# machine); the parts of them that
-# fit in the device time left): where the graphed Mixtral-small FP8 step's time goes on the H200 (call 1: 2.128x
+# machine): where the graphed Mixtral-small FP8 step's time goes on the H200 (call 1: 2.128x
 # eager transformers, under the 2.2x goal; one profiled step after two eager steps and the capture); then the FP8
 # host-work trims (25ed71e, 6e31002) on a GPU: the cuda tests of the FP8 modules and bench_fp8_host with seqfuse's kernels
 # running, alternating the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz) and after (HEAD's
