@@ -6,7 +6,7 @@
 # running, alternating the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz) and after (HEAD's
 # archive, .s54/carry/pkg_head.tar.xz, unpacked over the working tree), over one prebuilt extension.
 # Carry .whl, .s52/carry and .s54/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_5.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_5_not_run.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
