@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Session 54, call 6 (best on an H200): gpu_call_s54_5_not_run.sh reordered for the device time left (calls 2-5 never
-# got a machine; what the limit cuts is the last part, the logs packed after each part): where the graphed
-# Mixtral-small FP8 step's time goes on the H200 (call 1: 2.128x eager transformers, under the 2.2x goal; one profiled step after two eager steps and the capture); then the FP8
-# host-work trims (25ed71e, 6e31002) on a GPU: the cuda tests of the FP8 modules and bench_fp8_host with seqfuse's kernels
-# running, alternating the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz) and after (HEAD's
-# archive, .s54/carry/pkg_head.tar.xz, unpacked over the working tree), over one prebuilt extension.
+#  Session 54, call 6 (best on an H200): gpu_call_s54_5_not_run.sh reordered for the device time left (calls 2-5 never
+# got a machine; what the limit cuts is the last part, the logs packed after each part): where the graphed Mixtral-
+# small FP8 step's time goes on the H200 (call 1: 2.128x eager transformers, under the 2.2x goal; one profiled step
+# after two eager steps and the capture); then the FP8 host-work trims (25ed71e, 6e31002) on a GPU: bench_fp8_host
+# with seqfuse's kernels running, the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz) and after
+# (HEAD's archive, .s54/carry/pkg_head.tar.xz, unpacked over the working tree) over one prebuilt extension, and the
+# cuda tests of the FP8 modules.
 # Carry .whl, .s52/carry and .s54/carry:
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_6.sh
 set -uo pipefail
