@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-#  Session 54, call 6 (best on an H200): gpu_call_s54_5_not_run.sh reordered for the device time left (calls 2-5 never
+# Session 54, call 6 (best on an H200): gpu_call_s54_5_not_run.sh reordered for the device time left (calls 2-5 never
 # got a machine; what the limit cuts is the last part, the logs packed after each part): where the graphed Mixtral-
 # small FP8 step's time goes on the H200 (call 1: 2.128x eager transformers, under the 2.2x goal; one profiled step
 # after two eager steps and the capture); then the FP8 host-work trims (25ed71e, 6e31002) on a GPU: bench_fp8_host
