@@ -25,7 +25,8 @@ _log = logging.getLogger("seqfuse")
 
 
 def _bias(bias, out_dtype):
-    """cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output)."""
+    """cuBLASLt's FP8 kernels take the bias in bfloat16 (float16 for a float16 output); ``bias`` is a tensor
+    (gemm converts only where there is one)."""
     want = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     return bias if bias.dtype == want else bias.to(want)
 
@@ -133,7 +134,7 @@ def forward(xq, pair, kind, out_dtype, bias, rows, residual=None):
         padded[:rows].copy_(residual)  # (the padding rows' outputs are cut off: left as they are)
         residual = padded
     y = gemm(a, w, out_dtype, bias=bias, fast_accum=kind != "block", addend=residual)
-    return y if mp == rows else row_prefix(y, rows)
+    return y if mp == rows else row_prefix(y, rows)  # (row_prefix's own test, inline: no call when aligned)
 
 
 _logged_copied_residual = []

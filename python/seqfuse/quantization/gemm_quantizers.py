@@ -705,7 +705,8 @@ class WeightQuantizer(_Role):
             return None
         if is_first_microbatch is False:
             return pair
-        # (the key's head: kind, format, shape, dtype, device; then the one source's stamp)
+        # (weight_key's layout, read by position here and rebuilt below: kind, format, shape, dtype, device,
+        # then the sources' stamps; tests/test_weight_cast_paths.py holds the two paths' decisions equal)
         if key[2] != weight.shape or key[3] != weight.dtype or key[4] != weight.device:
             return None
         stamp = _stamp(weight)

@@ -34,11 +34,12 @@ _CHUNK_FLOATS = 1 << 20
 
 
 class _Chunk:
-    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "_live", "key", "_used_views",
+    __slots__ = ("history", "scale", "scale_inv", "fp8_max", "used", "_live", "key", "_used_views", "pool",
                  "__weakref__")
 
-    def __init__(self, key, h, cap, device):
+    def __init__(self, key, h, cap, device, pool):
         self.key = key
+        self.pool = pool  # (the _Pool whose chunks_for answers this chunk's live count changes)
         self.history = torch.zeros(h, cap, dtype=torch.float32, device=device)
         self.scale = torch.ones(cap, dtype=torch.float32, device=device)
         self.scale_inv = torch.ones(cap, dtype=torch.float32, device=device)
@@ -53,10 +54,13 @@ class _Chunk:
 
     @live.setter
     def live(self, n):
-        # whether a chunk holds live states changes what POOL.chunks_for answers
-        if (n > 0) != (self._live > 0):
-            POOL.changed()
+        # whether a chunk holds live states changes what its pool's chunks_for answers: the count is
+        # written first, then the kept answers dropped (a chunks_for running meanwhile on another
+        # thread stores its answer in the dictionary changed() replaces)
+        was = self._live > 0
         self._live = n
+        if (n > 0) != was:
+            self.pool.changed()
 
     @property
     def capacity(self):
@@ -91,7 +95,7 @@ class _Pool:
         chunks = self.chunks.setdefault(key, [])
         if not chunks or chunks[-1].capacity - chunks[-1].used < n:
             cap = max(n, min(65536, max(256, _CHUNK_FLOATS // h)))
-            chunks.append(_Chunk(key, h, cap, device))
+            chunks.append(_Chunk(key, h, cap, device, self))
             self.changed()
         c = chunks[-1]
         off = c.used
