@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Session 54, call 6 (best on an H200): gpu_call_s54_5_not_run.sh reordered for the device time left (calls 2-5 never
-# got a machine; what the limit cuts is the last part, the logs packed after each part): where the graphed Mixtral-
-# small FP8 step's time goes on the H200 (call 1: 2.128x eager transformers, under the 2.2x goal; one profiled step
-# after two eager steps and the capture); then the FP8 host-work trims (25ed71e, 6e31002) on a GPU: bench_fp8_host
-# with seqfuse's kernels running, the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz) and after
-# (HEAD's archive, .s54/carry/pkg_head.tar.xz, unpacked over the working tree) over one prebuilt extension, and the
-# cuda tests of the FP8 modules.
+# Written in session 54 as its call 6, not run (no machine, then no device time), best on an H200:
+# gpu_call_s54_5_not_run.sh reordered (what the limit cuts is the last part, the logs packed after each part): where
+# the graphed Mixtral-small FP8 step's time goes on the H200 (call 1: 2.128x eager transformers, under the 2.2x goal;
+# one profiled step after two eager steps and the capture); then the FP8 host-work trims (25ed71e, 6e31002) on a GPU:
+# bench_fp8_host with seqfuse's kernels running, the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz)
+# and after (HEAD's archive, .s54/carry/pkg_head.tar.xz, unpacked over the working tree) over one prebuilt extension,
+# and the cuda tests of the FP8 modules.
+# Make .s54/carry: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz, and the same of 820b22b
+# as pkg_old_820b22b.tar.xz.
 # Carry .whl, .s52/carry and .s54/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s54_6.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s55_1_not_run.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
