@@ -45,3 +45,12 @@ def test_reserved_ratio_is_net_of_what_was_reserved_before_and_needs_both_rows()
                                  "steady_reserved_gib": 15.0, "start_reserved_gib": 0.0}}
     B.add_ratios(done)
     assert "reserved_vs_best_hf" not in done["seqfusegraph_fp8"]  # nor against a peer without it
+
+
+def test_eager_steps_before_capture_leave_an_untimed_step_after_the_capture(capsys):
+    assert B.eager_steps_before_capture("hf_bf16", 2, 16, graphed=False) == 0  # (not graphed: no capture)
+    assert B.eager_steps_before_capture("g", 0, 16, graphed=True) == 0
+    assert B.eager_steps_before_capture("g", 2, 16, graphed=True) == 2
+    assert "leaves no untimed step" not in capsys.readouterr().out
+    assert B.eager_steps_before_capture("g", 5, 3, graphed=True) == 2  # cut to all untimed steps but one, said
+    assert "--eager-before-graphs 5 leaves no untimed step to capture after: 2 eager steps" in capsys.readouterr().out

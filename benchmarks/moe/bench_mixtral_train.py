@@ -339,11 +339,7 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     model, opt, context, forward, capture = build_row(name, cfg, mcfg, device, dtype, seed, batches[0]["shape"])
     model.train()
     warm = batches + batches * (warm_passes - 1)  # the untimed passes' batches
-    # a graphed row's first untimed steps run eagerly, then its layers are captured (--eager-before-graphs)
-    before = min(eager_before_graphs, len(warm) - 1) if capture is not None else 0
-    if before < eager_before_graphs and capture is not None:
-        log(f"{name}: --eager-before-graphs {eager_before_graphs} leaves no untimed step to capture after: "
-            f"{before} eager steps")
+    before = eager_steps_before_capture(name, eager_before_graphs, len(warm), capture is not None)
 
     def step(b):
         with context():
@@ -395,6 +391,18 @@ def run_row(name, cfg, mcfg, batches, device, dtype, seed, profile=None, profile
     del model, opt
     release(device)
     return seconds, passes, first, final, memory, queries
+
+
+def eager_steps_before_capture(name, asked, untimed_steps, graphed):
+    """How many of a row's untimed steps run eagerly before its layers are captured (--eager-before-graphs):
+    0 for a row that is not graphed; else ``asked``, at most all untimed steps but one (the capture is followed
+    by at least one untimed step), said in the log where that cuts what was asked."""
+    if not graphed:
+        return 0
+    before = max(0, min(asked, untimed_steps - 1))
+    if before < asked:
+        log(f"{name}: --eager-before-graphs {asked} leaves no untimed step to capture after: {before} eager steps")
+    return before
 
 
 def gib(device, stat):

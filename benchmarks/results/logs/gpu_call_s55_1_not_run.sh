@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Written in session 54 as its call 6, not run (no machine, then no device time), best on an H200:
-# gpu_call_s54_5_not_run.sh reordered (what the limit cuts is the last part, the logs packed after each part): where
+# Written in session 54 (its calls 3-6, never run: no machine, then no device time), best on an H200
+# (what the limit cuts is the last part, the logs packed after each part): where
 # the graphed Mixtral-small FP8 step's time goes on the H200 (call 1: 2.128x eager transformers, under the 2.2x goal;
 # one profiled step after two eager steps and the capture); then the FP8 host-work trims (25ed71e, 6e31002) on a GPU:
 # bench_fp8_host with seqfuse's kernels running, the package before them (820b22b, .s54/carry/pkg_old_820b22b.tar.xz)
