@@ -21,11 +21,17 @@ transformers' module-level rotary function is global):
   seqfuse_bf16_keep    accelerate(model, recompute_activation=False): the
                        MLPs keep their gated activation (one [tokens, FFN]
                        tensor a layer more kept, one elementwise pass less)
+  <seqfuse row>_fused_adamw  that row stepping seqfuse's FusedAdamW set to
+                       torch AdamW's update and state (bf16 moments, no
+                       master: peers/optimizers.py) instead of torch's fused
+                       AdamW, which every other row steps: the two rows
+                       side by side say what the optimizer's kernel is worth
   liger                liger_kernel's apply_liger_kernel_to_<family>(model=...)
                        (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
 
 Each row copies one base model (built once with a fixed seed, bf16 on the
-GPU), builds torch's fused AdamW over its parameters, runs ``--warmup`` steps
+GPU), builds torch's fused AdamW over its parameters (a _fused_adamw row:
+seqfuse's, the same update), runs ``--warmup`` steps
 (a compiled row compiles in the first) and times ``--steps`` training steps
 (forward with labels, backward, optimizer step) between two CUDA events:
 tokens/s = batch x seq x steps / time.  Peak memory (``peak_gib``) is the
@@ -66,12 +72,17 @@ sys.path.insert(0, BENCH)
 import torch  # noqa: E402
 
 import peers  # noqa: E402,F401  (seqfuse from a source checkout)
+from peers import optimizers  # noqa: E402
 from peers.meta import try_import  # noqa: E402
 from peers.timing import Results, error_text, parse_list  # noqa: E402
 
 ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_delayed_head",
         "seqfuse_fp8_block", "seqfuse_bf16_keep", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
-        "seqfuse_fp8_delayed_head_graphed", "liger")
+        "seqfuse_fp8_delayed_head_graphed", "seqfuse_bf16_fused_adamw", "seqfuse_fp8_delayed_fused_adamw",
+        "seqfuse_fp8_delayed_head_fused_adamw", "liger")
+
+#: The suffix of the rows that step seqfuse's FusedAdamW (the module note).
+FUSED_ADAMW = "_fused_adamw"
 
 SHAPES = {
     "llama1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -126,6 +137,8 @@ def build_base(shape, layers, device):
 def prepare(row, base, family, shape=None):
     """The row's model (a copy of base) and a note on what was done to it;
     ``shape``: the (batch, seq) a _graphed row's layers are captured for."""
+    if row.endswith(FUSED_ADAMW):  # (the model is the row's without the suffix; the optimizer is train_row's)
+        return prepare(row[:-len(FUSED_ADAMW)], base, family, shape)
     if row.endswith("_graphed"):
         from seqfuse.hf import graph_layers
 
@@ -165,9 +178,12 @@ def prepare(row, base, family, shape=None):
     raise ValueError(row)
 
 
-def train_row(model, ids, warmup, steps, device):
+def train_row(model, ids, warmup, steps, device, row=""):
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    if row.endswith(FUSED_ADAMW):
+        opt = optimizers.fused_adamw_like_torch(model.parameters(), lr=1e-5)
+    else:
+        opt = optimizers.torch_adamw(model.parameters(), device, lr=1e-5)
     cache_off = {} if model.config.model_type == "bert" else {"use_cache": False}  # (an encoder has no cache)
 
     def step():
@@ -185,7 +201,7 @@ def train_row(model, ids, warmup, steps, device):
     return loss0, _timed(step, steps, device), step
 
 
-def prefill_row(model, ids, warmup, steps, device):
+def prefill_row(model, ids, warmup, steps, device, row=""):
     model.eval()
 
     @torch.no_grad()
@@ -255,7 +271,9 @@ def main(argv=None):
         layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, ffn=cfg.intermediate_size,
         heads=cfg.num_attention_heads, kv_heads=getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
         vocab=cfg.vocab_size,
-        warmup=args.warmup, steps=args.steps, optimizer="torch.optim.AdamW(fused=True), bf16 weights"))
+        warmup=args.warmup, steps=args.steps,
+        optimizer=f"{optimizers.DESCRIPTIONS['torch_adamw']}, bf16 weights; the {FUSED_ADAMW} rows: "
+                  f"{optimizers.DESCRIPTIONS['fused_adamw']}"))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
     run = train_row if args.mode == "train" else prefill_row
@@ -273,7 +291,7 @@ def main(argv=None):
             convert_peak = float("nan")
             if device.type == "cuda":  # the row's model copy and its conversion, apart from the steps' peak
                 convert_peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-            loss0, ms, step = run(model, ids, args.warmup, args.steps, device)
+            loss0, ms, step = run(model, ids, args.warmup, args.steps, device, row)
             if args.profile:
                 from profile_summary import profile_row
 
@@ -300,19 +318,21 @@ def main(argv=None):
         for r in by.values():
             r["vs_hf_eager"] = r["tokens_per_s"] / base_row["tokens_per_s"]
     print(f"\n{args.mode} {args.shape} ({cfg.num_hidden_layers} layers), {args.batch} x {args.seq} tokens")
-    print(f"{'row':22s} {'tokens/s':>12s} {'ms/step':>9s} {'peak GiB':>9s} {'vs eager':>9s} {'loss0':>9s}")
+    print(f"{'row':38s} {'tokens/s':>12s} {'ms/step':>9s} {'peak GiB':>9s} {'vs eager':>9s} {'loss0':>9s}")
     for r in res.rows:
         if "error" in r:
-            print(f"{r['row']:22s} ERROR {r['error']}")
+            print(f"{r['row']:38s} ERROR {r['error']}")
         else:
-            print(f"{r['row']:22s} {r['tokens_per_s']:12.0f} {r['ms_per_step']:9.2f} {r['peak_gib']:9.2f} "
+            print(f"{r['row']:38s} {r['tokens_per_s']:12.0f} {r['ms_per_step']:9.2f} {r['peak_gib']:9.2f} "
                   f"{r.get('vs_hf_eager', float('nan')):9.3f} {r['loss0']:9.4f}")
     goals = []
     if base_row and args.mode == "train":
         liger = by.get("liger")
         for row, need in (("seqfuse_bf16", 1.3), ("seqfuse_bf16_keep", 1.3), ("seqfuse_fp8_delayed", 1.7),
                           ("seqfuse_fp8_delayed_head", 1.7), ("seqfuse_bf16_graphed", 1.3),
-                          ("seqfuse_fp8_delayed_graphed", 1.7), ("seqfuse_fp8_delayed_head_graphed", 1.7)):
+                          ("seqfuse_fp8_delayed_graphed", 1.7), ("seqfuse_fp8_delayed_head_graphed", 1.7),
+                          ("seqfuse_bf16" + FUSED_ADAMW, 1.3), ("seqfuse_fp8_delayed" + FUSED_ADAMW, 1.7),
+                          ("seqfuse_fp8_delayed_head" + FUSED_ADAMW, 1.7)):
             r = by.get(row)
             if r is None:
                 continue

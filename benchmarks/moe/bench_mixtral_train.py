@@ -149,6 +149,7 @@ import torch  # noqa: E402
 from harness import RESULTS, Table, plot_bars  # noqa: E402
 from mixtral_recipe import load_config  # noqa: E402
 from mixtral_recipe import trainer as recipe  # noqa: E402
+from peers import optimizers  # noqa: E402
 
 ROWS = ("hf_bf16", "hf_bf16_loop", "hf_bf16_compile", "hf_bf16_liger", "seqfuse_bf16", "seqfuse_bf16_torch_adamw",
         "seqfuse_bf16_hostsplits_torch_adamw", "seqfuse_fp8_delayed_hostsplits_torch_adamw", "seqfuse_fp8_delayed",
@@ -199,26 +200,23 @@ def adam_hyper(cfg):
 def torch_adamw(model, cfg, device):
     """The transformers row's optimizer: torch AdamW (fused on the GPU) over
     every parameter with the recipe's hyperparameters."""
-    return torch.optim.AdamW(model.parameters(), fused=device.type == "cuda", **adam_hyper(cfg))
+    return optimizers.torch_adamw(model.parameters(), device, **adam_hyper(cfg))
 
 
 def fused_adamw(model, cfg):
     """seqfuse's FusedAdamW doing torch_adamw's update on the same state: bf16
     parameters updated in place (no fp32 master), bf16 moments, every
     parameter decayed, the recipe's hyperparameters."""
-    from seqfuse.optim import FusedAdamW
-
-    return FusedAdamW(model.parameters(), master_weights=False, exp_avg_dtype=torch.bfloat16,
-                      exp_avg_sq_dtype=torch.bfloat16, **adam_hyper(cfg))
+    return optimizers.fused_adamw_like_torch(model.parameters(), **adam_hyper(cfg))
 
 
 #: A row's optimizer by its name's suffix ("": the recipe's): (what the JSON records, its builder from (model,
 #: bench config, the row's recipe config, device)).
 OPTIMIZERS = {
-    "_torch_adamw": ("torch.optim.AdamW (fused on the GPU): bf16 moments, no master, every parameter decayed",
+    "_torch_adamw": (optimizers.DESCRIPTIONS["torch_adamw"] + ", every parameter decayed",
                      lambda model, cfg, rcfg, device: torch_adamw(model, cfg, device)),
-    "_fused_adamw": ("seqfuse FusedAdamW(master_weights=False, bf16 moments): torch AdamW's update and state, "
-                     "every parameter decayed", lambda model, cfg, rcfg, device: fused_adamw(model, cfg)),
+    "_fused_adamw": (optimizers.DESCRIPTIONS["fused_adamw"] + ", every parameter decayed",
+                     lambda model, cfg, rcfg, device: fused_adamw(model, cfg)),
     "": ("the recipe's FusedAdamW: fp32 masters, moments in train.adam_moments, decay on matrices only",
          lambda model, cfg, rcfg, device: recipe.build_optimizer(model, rcfg)),
 }
