@@ -1,9 +1,17 @@
-"""What keeping the FP8 weights' transposed copies costs and saves
-(seqfuse.quantization.set_weight_transpose_cache): FP8 delayed-scaling
-training steps with W^T made at the cast and kept (cache, the default)
-against made in each backward from the kept FP8 bytes (backward), in one
-process on the same model and inputs: interleaved rounds of pipelined steps
-(median reported) and each mode's peak memory over two steps.
+"""What each FP8 weight-cache layout costs and saves in training
+(seqfuse.quantization.set_weight_transpose_cache and
+set_weight_rowwise_cache): FP8 delayed-scaling training steps with
+
+  both        W and W^T cast together and both kept until the weight changes
+              (set_weight_rowwise_cache(True))
+  transpose   W^T kept, W written for each forward into a transient buffer
+              (the default)
+  rowwise     W kept, W^T made in each backward from its bytes
+              (set_weight_transpose_cache(False))
+
+in one process on the same model and inputs: interleaved rounds of
+pipelined steps (median reported) and each mode's peak memory over two
+steps.
 
 Rows: esm650 (33 seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape,
 hidden 1,280, FFN 5,120, 20 heads, 16 x 1,024 tokens fixed length, sbhd, no
@@ -11,7 +19,7 @@ mask, no dropout), llama1b (transformers' Llama 3.2 1B shape after
 seqfuse.hf.accelerate with DelayedScaling, 1 x 4,096 tokens), tiny (a CPU
 smoke test).  Run on the GPU machine:
     python benchmarks/bench_fp8_weight_transpose.py --rows esm650,llama1b
-Writes results/fp8_weight_transpose.json.
+Writes results/fp8_weight_transpose.json (--out another name).
 """
 import argparse
 import os
@@ -26,7 +34,10 @@ from harness import Table  # noqa: E402
 
 import seqfuse.pytorch as te  # noqa: E402
 from seqfuse.common.recipe import DelayedScaling  # noqa: E402
-from seqfuse.quantization import set_weight_transpose_cache  # noqa: E402
+from seqfuse.quantization import set_weight_rowwise_cache, set_weight_transpose_cache  # noqa: E402
+
+#: mode -> (set_weight_transpose_cache's setting, set_weight_rowwise_cache's)
+MODES = {"both": (True, True), "transpose": (True, False), "rowwise": (False, False)}
 
 
 def layer_stack(device, layers, hidden, ffn, heads, seq, batch):
@@ -73,12 +84,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(step, device, rounds, steps):
-    times, peak = {True: [], False: []}, {}
-    previous = set_weight_transpose_cache(True)
+def measure(step, device, rounds, steps, modes=tuple(MODES)):
+    """({mode: [ms per step of each round]}, {mode: peak GiB over two steps})."""
+    times, peak = {m: [] for m in modes}, {}
+    previous = set_weight_transpose_cache(True), set_weight_rowwise_cache(False)
+
+    def use(mode):
+        set_weight_transpose_cache(MODES[mode][0])
+        set_weight_rowwise_cache(MODES[mode][1])
+
     try:
-        for cache in (True, False):  # warm each mode; its peak over two steps after the warm-up
-            set_weight_transpose_cache(cache)
+        for mode in modes:  # warm each mode; its peak over two steps after the warm-up
+            use(mode)
             for _ in range(3):
                 step()
             sync(device)
@@ -87,44 +104,46 @@ def measure(step, device, rounds, steps):
             step()
             step()
             sync(device)
-            peak[cache] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            peak[mode] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         for _ in range(rounds):
-            for cache in (True, False):
-                set_weight_transpose_cache(cache)
+            for mode in modes:
+                use(mode)
                 step()  # the first step of a mode re-casts (the weights moved)
                 sync(device)
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step()
                 sync(device)
-                times[cache].append((time.perf_counter() - t0) / steps * 1e3)
+                times[mode].append((time.perf_counter() - t0) / steps * 1e3)
     finally:
-        set_weight_transpose_cache(previous)
+        set_weight_transpose_cache(previous[0])
+        set_weight_rowwise_cache(previous[1])
     return times, peak
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="esm650,llama1b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=6)
-    args = p.parse_args()
+    p.add_argument("--out", default="fp8_weight_transpose")
+    args = p.parse_args(argv)
     device = torch.device(args.device)
-    table = Table("fp8_weight_transpose", ["row", "cache_ms", "backward_ms", "time_ratio", "cache_gib",
-                                           "backward_gib"])
+    table = Table(args.out, ["row", "mode", "ms", "gib", "time_vs_both", "gib_vs_both"])
     for name in args.rows.split(","):
         times, peak = measure(ROWS[name](device), device, args.rounds, args.steps)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        print(f"{name}: step ms cache {['%.2f' % t for t in times[True]]} backward "
-              f"{['%.2f' % t for t in times[False]]}", flush=True)
-        table.add(row=name, cache_ms=med[True], backward_ms=med[False], time_ratio=med[False] / med[True],
-                  cache_gib=peak[True], backward_gib=peak[False])
+        for mode in MODES:
+            print(f"{name} {mode}: step ms {['%.2f' % t for t in times[mode]]}", flush=True)
+            table.add(row=name, mode=mode, ms=med[mode], gib=peak[mode], time_vs_both=med[mode] / med["both"],
+                      gib_vs_both=peak[mode] - peak["both"] if device.type == "cuda" else float("nan"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     table.save({"note": "FP8 delayed training step, median of --rounds interleaved rounds of --steps pipelined "
-                        "steps; cache: W^T made at the cast and kept (the default), backward: "
-                        "set_weight_transpose_cache(False); time_ratio = backward / cache; peaks over two steps"})
+                        "steps; modes (the module note): both = W and W^T kept, transpose = W^T kept and W "
+                        "transient (the default), rowwise = set_weight_transpose_cache(False); time_vs_both = "
+                        "ms / both's ms; gib_vs_both = peak GiB - both's; peaks over two steps"})
 
 
 if __name__ == "__main__":

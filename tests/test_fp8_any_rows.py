@@ -410,6 +410,137 @@ def _cached_pairs(m):
     return [w.pair for w in _weight_quantizers(m) if w.pair is not None]
 
 
+def _cached_fp8_bytes(m):
+    """Bytes of FP8 weight copies the module's weight caches hold (each storage once)."""
+    seen = {}
+    for forward_op, dgrad in _cached_pairs(m):
+        for q in (forward_op, dgrad):
+            for t in (() if q is None else (q.data, q.data_t)):
+                if t is not None:
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("kind,n_weights", [("Linear", 1), ("LayerNormLinear", 1), ("LayerNormMLP", 2),
+                                            ("TransformerLayer", 4)])
+def test_training_keeps_weight_transpose_alone(kind, n_weights, recipe, device, seed):
+    """By default (set_weight_rowwise_cache(False)) a training call keeps
+    W^T alone in the weight cache: the forward operand's bytes live in that
+    call only, so from the forward to the backward the cache holds one FP8
+    byte per weight element, not two.  A forward that finds its weight
+    unchanged since the cast (gradient accumulation without
+    is_first_microbatch, step 2 here) makes W again from W^T's bytes and
+    keeps it from then on (one transpose per loop, not per micro-batch).
+    Over four training steps, and a no-grad call before the last update,
+    outputs, gradients and cast counts equal, bit for bit, those of the same
+    module keeping W (set_weight_rowwise_cache(True))."""
+    from seqfuse.quantization import set_weight_rowwise_cache
+
+    torch.manual_seed(seed)
+    a = _module(kind, device)
+    b = copy.deepcopy(a)
+    make = RECIPES[recipe]
+    shape = (8, 5, 128) if kind == "TransformerLayer" else (40, 128)  # (TransformerLayer: [s, b, h])
+    elements = sum(p.numel() for p in a.parameters() if p.dim() == 2)
+    results = []
+    for m, keep in ((a, False), (b, True)):
+        previous = set_weight_rowwise_cache(keep)
+        try:
+            gen = torch.Generator(device=device).manual_seed(seed + 1)
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            seen = []
+            for step in range(4):
+                for micro in range(2 if step == 2 else 1):
+                    x = torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16).requires_grad_()
+                    with te.autocast(recipe=make()):
+                        y = m(x)
+                    lean = not keep and (step < 2 or (step == 2 and micro == 0))
+                    pairs = _cached_pairs(m)
+                    assert len(pairs) == n_weights
+                    assert all((op.data is None) == lean and dgrad is not None for op, dgrad in pairs), (step, micro)
+                    if recipe != "block":  # (block scaling's two copies carry their own scale matrices)
+                        assert _cached_fp8_bytes(m) == (1 if lean else 2) * elements
+                    y.float().square().mean().backward()
+                    seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+                if step == 3:
+                    with torch.no_grad(), te.autocast(recipe=make()):
+                        seen.append(m(x.detach()))
+                opt.step()
+                opt.zero_grad()
+            seen.append(weight_casts(m))
+        finally:
+            set_weight_rowwise_cache(previous)
+        results.append(seen)
+    assert results[0][-1] == results[1][-1] == 4 * n_weights
+    for u, v in zip(results[0][:-1], results[1][:-1]):
+        assert torch.equal(u, v)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_checkpoint_recompute_keeps_weight_transpose_alone(recipe, seed):
+    """Under seqfuse.quantization.checkpoint the backward's recompute makes
+    W again from W^T's bytes for that forward alone: the cache still keeps
+    W^T alone at every step, and outputs and gradients equal those of the
+    module that keeps W."""
+    from seqfuse.quantization import checkpoint, set_weight_rowwise_cache
+
+    torch.manual_seed(seed)
+    a = _module("LayerNormMLP", "cpu")
+    b = copy.deepcopy(a)
+    make = RECIPES[recipe]
+    results = []
+    for m, keep in ((a, False), (b, True)):
+        previous = set_weight_rowwise_cache(keep)
+        try:
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            gen = torch.Generator().manual_seed(seed + 1)
+            seen = []
+            for _ in range(3):
+                x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).requires_grad_()
+                with te.autocast(recipe=make()):
+                    y = checkpoint(m, x)
+                y.float().square().mean().backward()
+                assert all((op.data is None) != keep for op, _ in _cached_pairs(m))
+                seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+                opt.step()
+                opt.zero_grad()
+            seen.append(weight_casts(m))
+        finally:
+            set_weight_rowwise_cache(previous)
+        results.append(seen)
+    assert results[0][-1] == results[1][-1] == 6
+    for u, v in zip(results[0][:-1], results[1][:-1]):
+        assert torch.equal(u, v)
+
+
+@needs_fp8
+@pytest.mark.parametrize("first", [True, False])
+def test_is_first_microbatch_keeps_weight_rowwise_bytes(first, seed):
+    """With is_first_microbatch given (TE's gradient-accumulation contract)
+    the cache keeps W beside W^T whatever set_weight_rowwise_cache says: the
+    next micro-batches reuse both; the setting's argument is checked."""
+    from seqfuse.quantization import set_weight_rowwise_cache, weight_rowwise_cache
+
+    torch.manual_seed(seed)
+    m = _module("Linear", "cpu")
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=DelayedScaling()):
+        m(x, is_first_microbatch=True)
+        if not first:
+            m(x)  # (a default call first: W^T alone, then False fills W in again)
+            m(x, is_first_microbatch=False)
+    (forward_op, dgrad), = _cached_pairs(m)
+    assert forward_op.data is not None and dgrad.data_t is not None
+    assert weight_casts(m) == 1
+    assert weight_rowwise_cache() is False
+    with pytest.raises(TypeError, match="set_weight_rowwise_cache: argument 'enabled' must be a bool"):
+        set_weight_rowwise_cache(1)
+
+
 @needs_fp8
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -634,8 +765,17 @@ def _weighted_module(kind, device="cpu"):
 
 
 def _fp8_weight_ptrs(m):
-    return [(p[0].data.data_ptr(), p[1] is not None and (p[1].data if p[1].data_t is None else p[1].data_t).data_ptr())
+    """Per cached pair: (W's bytes' pointer, or None where a training call kept W^T alone:
+    set_weight_rowwise_cache; W^T's, or False where none is kept)."""
+    return [(None if p[0].data is None else p[0].data.data_ptr(),
+             p[1] is not None and (p[1].data if p[1].data_t is None else p[1].data_t).data_ptr())
             for p in _cached_pairs(m)]
+
+
+def _all_moved(held, moved):
+    """Every FP8 weight buffer the cache held is another one now."""
+    return all((a[0] is None or a[0] != b[0]) and (a[1] is False or a[1] != b[1]) and a != b
+               for a, b in zip(held, moved))
 
 
 @needs_fp8
@@ -679,7 +819,7 @@ def test_recast_never_overwrites_a_weight_a_pending_backward_holds(kind, recipe,
             call(x.clone().requires_grad_())  # casts the new weights (its graph dropped at once)
         assert weight_casts(m) == 2 * n
         moved = _fp8_weight_ptrs(m)
-        assert all(a[0] != b[0] for a, b in zip(held, moved))  # new buffers: the backward holds the old
+        assert _all_moved(held, moved)  # new buffers: the backward holds the old
         ya.backward(dy)
         xr = x.clone().requires_grad_()
         with te.autocast(recipe=make()):

@@ -75,7 +75,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
                 lnq, mean, rstd = fp8_norm(q, x2, lnw, lnb, eps, rms, zc, need_w)
             # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copy
             want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad), q.weights[0])
-            pair = q.weights[0].get(weight, first_mb, sources=sources, transposed=want_t)
+            pair = q.weights[0].get(weight, first_mb, sources=sources, transposed=want_t, release_rowwise=True)
             out = F8.forward(lnq, pair, kind, x.dtype, as_dtype(bias, x.dtype), rows)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w else (None, None)
             w_data, w_si = F8.weight_kept(pair, kind, want_t)

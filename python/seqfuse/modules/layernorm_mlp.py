@@ -110,11 +110,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
             # grad: autograd on at the call (off inside forward); else no backward, no transposed weight copies
             # (inputs 0-6: x and the parameters; the residual's gradient needs no weight transpose)
             want_t = wants_weight_transpose(grad and any(ctx.needs_input_grad[:7]), q.weights[0])
-            p1 = q.weights[0].get(w1, first_mb, transposed=want_t)
+            p1 = q.weights[0].get(w1, first_mb, transposed=want_t, release_rowwise=True)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             remake = recompute_act and need_w2 and grad  # FC2's wgrad operand made again in the backward
             aq, act_scale = _fp8_act(q, h, activation, need_w2 and not remake, remake)
-            p2 = q.weights[1].get(w2, first_mb, transposed=want_t)
+            p2 = q.weights[1].get(w2, first_mb, transposed=want_t, release_rowwise=True)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows, residual)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
             if remake:  # (the a_col slots: no bytes, the forward's scale where the backward needs it)

@@ -258,7 +258,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         first_mb, sources, grad = weight_args
         # (x, weight, bias: the residual's gradient needs no weight transpose)
         want_t = _gq.wants_weight_transpose(grad and any(ctx.needs_input_grad[:3]), q.weights[0])
-        pair = q.weights[0].get(weight, first_mb, sources, transposed=want_t)
+        pair = q.weights[0].get(weight, first_mb, sources, transposed=want_t, release_rowwise=True)
         xq = q.inputs[0].quantize(x.detach(), transpose=need_w, transient=True)  # (read by the GEMM alone)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0], residual)
         x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)

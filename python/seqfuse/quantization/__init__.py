@@ -123,7 +123,8 @@ from .state import (GRAD_OUTPUT, INPUT, WEIGHT, ScalingState, register_scaling_s
                     snapshot_scaling)
 from .recompute import checkpoint
 from .gemm_quantizers import (FP8BwdTensors, FP8FwdTensors, GemmQuantizers, init_fp8_state,
-                              set_weight_transpose_cache, weight_casts, weight_transpose_cache)
+                              set_weight_rowwise_cache, set_weight_transpose_cache, weight_casts,
+                              weight_rowwise_cache, weight_transpose_cache)
 from .graphs import make_graphed_callables
 from .attention import attention_state, fp8_attention
 from .stats import disable_stats, enable_stats, name_states, stats_records
@@ -137,7 +138,7 @@ __all__ = [
     "quantized_model_init_state", "checkpoint", "make_graphed_callables",
     "fp8_attention", "attention_state",
     "GemmQuantizers", "FP8FwdTensors", "FP8BwdTensors", "init_fp8_state", "weight_casts",
-    "set_weight_transpose_cache", "weight_transpose_cache",
+    "set_weight_transpose_cache", "weight_transpose_cache", "set_weight_rowwise_cache", "weight_rowwise_cache",
     "quantize", "quantize_with_state", "quantize_current", "quantize_block", "quantize_mxfp8",
     "quantize_nvfp4",
     "ScalingState", "register_scaling_state", "snapshot_scaling", "restore_scaling", "INPUT", "WEIGHT", "GRAD_OUTPUT",

@@ -70,6 +70,22 @@ weights per backward (on the H200: 0.91 GiB less and 1.4 % slower at a
 Llama 1B shape, 4,096 tokens; 0.62 GiB and 0.3 % at an ESM-2 650M-shape
 stack; README).  Calls that want no gradient
 (inference, no_grad) never make W^T.
+
+The row-wise copy W only feeds the forward GEMM.  In a training call of
+Linear, LayerNormLinear or LayerNormMLP without is_first_microbatch (a
+training loop's usual call: the weight changes before the next forward)
+the cache keeps W^T alone, and the cast writes W into a transient buffer
+(seqfuse.ops.buffers: one per stream, written again by the next such
+weight) that only that call's forward GEMM reads: one FP8 byte per weight
+element from the forward to the backward, as Transformer Engine keeps,
+not two.  A forward that finds the weight unchanged makes W from W^T's
+bytes (a byte transpose, the bits the cast wrote): inside
+seqfuse.quantization.checkpoint's recompute for that forward alone; else
+(gradient accumulation without is_first_microbatch, an eval call) it keeps
+W from then on, and that weight keeps it at every later cast, so an
+accumulation loop transposes once.  With is_first_microbatch given, under
+CUDA graph capture and after ``set_weight_rowwise_cache(True)`` W stays
+cached beside W^T (GroupedLinear has its own rule: its module note).
 A weight FSDP2 all-gathered in FP8 (seqfuse.distributed.fp8_allgather)
 brings its own FP8 bytes: ``get`` takes them (and makes the transposed
 copy) instead of casting, and caches nothing.
@@ -179,6 +195,24 @@ def check_features(cls, kind, *features):
 
 
 _weight_transpose_cache = [True]
+_weight_rowwise_cache = [False]
+
+
+def set_weight_rowwise_cache(enabled):
+    """Whether a training call of Linear, LayerNormLinear and LayerNormMLP
+    keeps the weight's row-wise FP8 copy (the forward operand) in the weight
+    cache until the weight changes (True) or gives it to its forward GEMM
+    alone (False, the default: the cache keeps W^T, which the backward
+    reads); see the module note.  Returns the previous setting."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_weight_rowwise_cache: argument 'enabled' must be a bool, got {type(enabled).__name__}")
+    previous, _weight_rowwise_cache[0] = _weight_rowwise_cache[0], enabled
+    return previous
+
+
+def weight_rowwise_cache():
+    """The setting of :func:`set_weight_rowwise_cache`."""
+    return _weight_rowwise_cache[0]
 
 
 def set_weight_transpose_cache(enabled):
@@ -608,8 +642,8 @@ class WeightQuantizer(_Role):
     Per-tensor recipes scale the weight from its own amax at the cast (so a
     first step or a frozen weight never runs on a stale scale); under
     delayed scaling that amax also lands in the state's weight slot."""
-    __slots__ = ("key", "param", "pair", "casts", "captured", "inference")
-    _caches = _Role._caches + ("key", "param", "pair", "captured", "inference")
+    __slots__ = ("key", "param", "pair", "casts", "captured", "inference", "reused")
+    _caches = _Role._caches + ("key", "param", "pair", "captured", "inference", "reused")
     _captured_reuse_logged = []
 
     def __init__(self, owner, index):
@@ -617,8 +651,9 @@ class WeightQuantizer(_Role):
         self.key = self.param = self.pair = self.captured = None
         self.casts = 0
         self.inference = False  # (the cached pair was cast under torch.inference_mode)
+        self.reused = None  # (True once a lean cast was used again: _rowwise_answer)
 
-    def get(self, weight, is_first_microbatch=None, sources=None, transposed=True):
+    def get(self, weight, is_first_microbatch=None, sources=None, transposed=True, release_rowwise=False):
         """(forward operand, input-gradient operand): for per-tensor recipes
         one Float8Tensor with data [N, K] and data_t [K, N] (both); for block
         scaling two Float8BlockTensors in 128x128 blocks (W and W^T).
@@ -634,20 +669,73 @@ class WeightQuantizer(_Role):
         modules._fp8.weight_kept).  A call with ``transposed`` True on a pair
         cached without it makes the input-gradient operand from the cached
         bytes (a byte transpose: the bits the cast would have written) and
-        keeps it.  Under CUDA graph capture both are made."""
+        keeps it.  Under CUDA graph capture both are made.
+
+        ``release_rowwise`` (Linear, LayerNormLinear and LayerNormMLP ask
+        it): where the call is a training one (``transposed``, no capture)
+        with ``is_first_microbatch`` None and set_weight_rowwise_cache(False)
+        holds, the cache keeps W^T alone and the forward operand's bytes
+        live only in the pair returned (see the module note)."""
         param = self.param
+        lean = (release_rowwise and transposed and is_first_microbatch is None and not _weight_rowwise_cache[0]
+                and not self.reused)
         if sources is None and param is not None and len(param) == 1 and param[0] is weight:
-            pair = self._steady(weight, is_first_microbatch, transposed)
+            pair = self._steady(weight, is_first_microbatch, transposed, lean)
             if pair is not None:
                 return pair
         in_capture = device_checks.capturing(weight)
         grad = transposed or in_capture
         pair, note = self.lookup(weight, is_first_microbatch, sources, grad, in_capture)
         if pair is None:
-            return self.store(note, *self._cast_weight(weight.detach(), grad, self._spare(note, grad), in_capture))
-        if grad and pair[1] is None:
+            pair = self.store(note, *self._cast_weight(weight.detach(), grad, self._spare(note, grad), in_capture))
+        elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
-        return pair
+        if pair is not self.pair:  # (an FSDP2-gathered weight's pair: nothing kept here)
+            return pair
+        # (a captured cast's buffers belong to the graph, which writes and reads them at every replay: kept)
+        return self._rowwise_answer(pair, lean and not in_capture)
+
+    def _rowwise_answer(self, pair, lean, w=None):
+        """get's answer from the cached ``pair``.  ``lean`` (get's
+        release_rowwise rule, the pair with its W^T): a pair whose forward
+        operand has its bytes (just cast, or cached by an earlier call) gives
+        them to the answer alone and the cache keeps W^T; a cached pair
+        without them (a lean call's) has them made again from W^T's bytes by
+        a byte transpose (the bits the cast wrote: per tensor both copies of
+        one cast, block scaling's W and W^T the same 128x128 blocks): inside
+        a checkpoint's recompute (seqfuse.quantization.checkpoint) into the
+        transient buffer for the answer alone (_rowwise_buffer); else kept in
+        the cache from then on -- a lean call that finds its weight unchanged
+        since the cast (gradient accumulation without is_first_microbatch,
+        torch's own checkpoint) makes this role keep W at every cast after
+        (``reused``), so such a loop transposes once, not at every
+        micro-batch.  ``w``: the forward operand's bytes this call's re-cast
+        wrote into that buffer."""
+        q, qt = pair
+        if w is None:
+            w = q.data
+            if w is None:
+                wt = qt.data if self.owner.kind == "block" else qt.data_t
+                if not (lean and recompute.open_contexts and recompute.replaying()):
+                    self.reused = self.reused or lean
+                    q.data = qops.transpose_fp8(wt)
+                    return pair
+                w = qops.transpose_fp8(wt, out=self._rowwise_buffer(wt))
+            elif not lean or qt is None:
+                return pair
+            q.data = None
+        if self.owner.kind == "block":
+            return Float8BlockTensor(w, q.scale_inv, 128, dtype=q.dtype, shape=q.shape), qt
+        return Float8Tensor(w, q.scale_inv, q.fp8_dtype, data_t=q.data_t, dtype=q.dtype, shape=q.shape), qt
+
+    @staticmethod
+    def _rowwise_buffer(wt):
+        """The forward operand's bytes [N, K] of a lean call (W^T's bytes
+        ``wt`` [K, N] beside it): a transient buffer (seqfuse.ops.buffers),
+        read only by the GEMM its module enqueues next; the next lean weight
+        of that stream writes it again (the module note)."""
+        return buffers.transient((buffers.transient_stream(wt), "weight_rowwise"), wt.dtype, wt.shape[1],
+                                 wt.shape[0])
 
     def _spare(self, note, transposed):
         """The cached pair, when the cast lookup() asked for with ``note`` may
@@ -684,7 +772,7 @@ class WeightQuantizer(_Role):
             return False
         return _unshared(q.scale_inv)
 
-    def _steady(self, weight, is_first_microbatch, transposed):
+    def _steady(self, weight, is_first_microbatch, transposed, lean=False):
         """get's answer for a training loop's steady case, taken without the
         general path's frames and key building, or None (get's general path
         then decides, with the same checks).  The case: ``weight`` is the
@@ -704,20 +792,25 @@ class WeightQuantizer(_Role):
                 or (pair[1] is not None) != transposed):
             return None
         if is_first_microbatch is False:
-            return pair
+            return self._rowwise_answer(pair, False)
         # (weight_key's layout, read by position here and rebuilt below: kind, format, shape, dtype, device,
         # then the sources' stamps; tests/test_weight_cast_paths.py holds the two paths' decisions equal)
         if key[2] != weight.shape or key[3] != weight.dtype or key[4] != weight.device:
             return None
         stamp = _stamp(weight)
         if is_first_microbatch is None and (stamp,) == key[5] and not fsdp2_in_use():
-            return pair
+            return self._rowwise_answer(pair, lean)
         if not self._writable(pair, transposed):
             return None
-        self._recast(weight, pair)  # (no detach: the C entries take a tensor that requires grad as its memory)
+        q = pair[0]
+        w = None
+        if lean and q.data is None:  # (W into the transient buffer, W^T into the cached one)
+            w = self._rowwise_buffer(pair[1].data if o.kind == "block" else q.data_t)
+        # (no detach: the C entries take a tensor that requires grad as its memory)
+        self._recast(weight, pair, rowwise=w)
         self.casts += 1
         self.key = (*key[:5], (stamp,))
-        return pair
+        return self._rowwise_answer(pair, lean, w)
 
     def _transposed_operand(self, q):
         """The input-gradient operand from the forward operand ``q``'s FP8
@@ -828,18 +921,27 @@ class WeightQuantizer(_Role):
         o = self.owner
         return scratch, (o.state.amax_of(self.index) if o.kind == "delayed" else scratch[0]), scratch[1]
 
-    def _recast(self, w, spare, in_capture=False):
+    def _recast(self, w, spare, in_capture=False, rowwise=None):
         """Cast the weight ``w`` into the buffers of the cached pair ``spare``
         (_spare's or _steady's: _writable holds), both copies in one call;
-        returns the (amax, scale) scratch the cast used, or None."""
+        returns the (amax, scale) scratch the cast used, or None.
+        ``rowwise``: where the forward operand's bytes go instead of the
+        pair's own buffer (a lean call's transient one, _rowwise_buffer); a
+        pair kept without them (a lean call's) otherwise gets a new one."""
         o = self.owner
         q, qt = spare
+        data = rowwise
+        if data is None:
+            if q.data is None:  # (a lean pair: the cache kept W^T alone, _rowwise_answer)
+                wt = qt.data if o.kind == "block" else qt.data_t
+                q.data = torch.empty(wt.shape[1], wt.shape[0], dtype=wt.dtype, device=wt.device)
+            data = q.data
         if o.kind == "block":
-            qops.quantize_block_fp8_weight_into(w.contiguous(), q.data, q.scale_inv, qt.data, qt.scale_inv)
+            qops.quantize_block_fp8_weight_into(w.contiguous(), data, q.scale_inv, qt.data, qt.scale_inv)
             written_in_place(q.scale_inv, qt.scale_inv)
             return None
         scratch, amax, scale = self._weight_scratch(w, in_capture)
-        qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, q.data, q.data_t, o.margin)
+        qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, data, q.data_t, o.margin)
         increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
         return scratch
 
