@@ -518,6 +518,44 @@ def test_checkpoint_recompute_keeps_weight_transpose_alone(recipe, seed):
 
 
 @needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_inference_mode_call_after_lean_training(recipe, seed):
+    """A call under torch.inference_mode after a training call that kept
+    W^T alone makes W from W^T's bytes for that call only (an inference
+    tensor in the cache would be saved by a later training backward, which
+    autograd refuses): a training step after it, the weight unchanged and
+    keeping W instead of W^T (set_weight_transpose_cache(False)), runs, and
+    every output equals the module's that kept both copies."""
+    from seqfuse.quantization import set_weight_rowwise_cache, set_weight_transpose_cache
+
+    torch.manual_seed(seed)
+    a = _module("LayerNormMLP", "cpu")
+    b = copy.deepcopy(a)
+    make = RECIPES[recipe]
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    seen = []
+    for m, keep in ((a, False), (b, True)):
+        previous = set_weight_rowwise_cache(keep), set_weight_transpose_cache(True)
+        try:
+            with te.autocast(recipe=make()):
+                m(x.clone().requires_grad_()).float().sum().backward()
+            with torch.inference_mode(), te.autocast(recipe=make()):
+                out = [m(x)]
+            assert all((op.data is None) != keep for op, _ in _cached_pairs(m))
+            set_weight_transpose_cache(False)
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                y = m(xi)
+            y.float().square().mean().backward()
+            seen.append(out + [y.detach(), xi.grad])
+        finally:
+            set_weight_rowwise_cache(previous[0])
+            set_weight_transpose_cache(previous[1])
+    for u, v in zip(*seen):
+        assert torch.equal(u.clone(), v.clone())
+
+
+@needs_fp8
 @pytest.mark.parametrize("first", [True, False])
 def test_is_first_microbatch_keeps_weight_rowwise_bytes(first, seed):
     """With is_first_microbatch given (TE's gradient-accumulation contract)

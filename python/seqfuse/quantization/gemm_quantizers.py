@@ -716,11 +716,16 @@ class WeightQuantizer(_Role):
             w = q.data
             if w is None:
                 wt = qt.data if self.owner.kind == "block" else qt.data_t
-                if not (lean and recompute.open_contexts and recompute.replaying()):
+                if lean and recompute.open_contexts and recompute.replaying():
+                    w = qops.transpose_fp8(wt, out=self._rowwise_buffer(wt))
+                elif torch.is_inference_mode_enabled() and not self.inference:
+                    # (an inference tensor kept in a pair cast outside that mode would be saved by a later
+                    # training call's backward, which autograd refuses: made for this call alone)
+                    w = qops.transpose_fp8(wt)
+                else:
                     self.reused = self.reused or lean
                     q.data = qops.transpose_fp8(wt)
                     return pair
-                w = qops.transpose_fp8(wt, out=self._rowwise_buffer(wt))
             elif not lean or qt is None:
                 return pair
             q.data = None
