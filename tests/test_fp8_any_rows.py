@@ -519,6 +519,48 @@ def test_checkpoint_recompute_keeps_weight_transpose_alone(recipe, seed):
 
 @needs_fp8
 @pytest.mark.parametrize("recipe", list(RECIPES))
+def test_no_grad_call_then_training_keeps_weight_transpose_alone(recipe, seed):
+    """A no-grad call caches W alone; a training call after it (the weight
+    unchanged: W^T made from W's bytes) and one after an update (the general
+    path's re-cast) keep W^T alone too -- one FP8 byte per weight element
+    (per tensor: counted) -- with the outputs and gradients of the module
+    that keeps both."""
+    from seqfuse.quantization import set_weight_rowwise_cache
+
+    torch.manual_seed(seed)
+    a = _module("LayerNormMLP", "cpu")
+    b = copy.deepcopy(a)
+    make = RECIPES[recipe]
+    elements = sum(p.numel() for p in a.parameters() if p.dim() == 2)
+    x = torch.randn(40, 128, dtype=torch.bfloat16)
+    seen = []
+    for m, keep in ((a, False), (b, True)):
+        previous = set_weight_rowwise_cache(keep)
+        try:
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            out = []
+            with torch.no_grad(), te.autocast(recipe=make()):
+                out.append(m(x))
+            for _ in range(2):
+                xi = x.clone().requires_grad_()
+                with te.autocast(recipe=make()):
+                    y = m(xi)
+                assert all((op.data is None) != keep and dgrad is not None for op, dgrad in _cached_pairs(m))
+                if recipe != "block" and not keep:
+                    assert _cached_fp8_bytes(m) == elements
+                y.float().square().mean().backward()
+                out += [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
+                opt.step()
+                opt.zero_grad()
+            seen.append(out)
+        finally:
+            set_weight_rowwise_cache(previous)
+    for u, v in zip(*seen):
+        assert torch.equal(u, v)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
 def test_inference_mode_call_after_lean_training(recipe, seed):
     """A call under torch.inference_mode after a training call that kept
     W^T alone makes W from W^T's bytes for that call only (an inference

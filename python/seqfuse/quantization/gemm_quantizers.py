@@ -686,14 +686,18 @@ class WeightQuantizer(_Role):
         in_capture = device_checks.capturing(weight)
         grad = transposed or in_capture
         pair, note = self.lookup(weight, is_first_microbatch, sources, grad, in_capture)
+        w = None
         if pair is None:
-            pair = self.store(note, *self._cast_weight(weight.detach(), grad, self._spare(note, grad), in_capture))
+            spare = self._spare(note, grad)
+            if lean and not in_capture and spare is not None and spare[0].data is None:
+                w = self._rowwise_buffer(spare[1].data if self.owner.kind == "block" else spare[1].data_t)
+            pair = self.store(note, *self._cast_weight(weight.detach(), grad, spare, in_capture, rowwise=w))
         elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
         if pair is not self.pair:  # (an FSDP2-gathered weight's pair: nothing kept here)
             return pair
         # (a captured cast's buffers belong to the graph, which writes and reads them at every replay: kept)
-        return self._rowwise_answer(pair, lean and not in_capture)
+        return self._rowwise_answer(pair, lean and not in_capture, w)
 
     def _rowwise_answer(self, pair, lean, w=None):
         """get's answer from the cached ``pair``.  ``lean`` (get's
@@ -729,6 +733,8 @@ class WeightQuantizer(_Role):
             elif not lean or qt is None:
                 return pair
             q.data = None
+            if qt is not q and self.owner.kind != "block":
+                qt.data = None  # (a pair given W^T after a no-grad cast, _transposed_operand: W's bytes there too)
         if self.owner.kind == "block":
             return Float8BlockTensor(w, q.scale_inv, 128, dtype=q.dtype, shape=q.shape), qt
         return Float8Tensor(w, q.scale_inv, q.fp8_dtype, data_t=q.data_t, dtype=q.dtype, shape=q.shape), qt
@@ -886,27 +892,27 @@ class WeightQuantizer(_Role):
             self.key, self.param = key, tuple(src)
         return pair
 
-    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None):
+    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None, rowwise=None):
         """(the operand pair, the (amax, scale) scratch the cast used or None);
         ``transposed`` False: the input-gradient operand left out (None).
         ``spare``: a cached pair of this weight's shape and request whose
         buffers the cast writes (_spare's; none for block scaling's forward
         operand alone); it is then the pair returned.  ``in_capture``: as
-        lookup's."""
+        lookup's.  ``rowwise``: with ``spare``, _recast's."""
         o = self.owner
         if o.kind == "block":
             if not transposed:  # (no spare: _spare offers none here)
                 return (quantize_block(w, 128, self.fp8_dtype), None), None
             # W and W^T's 128x128 blocks (bytes and scales) in one call
             if spare is not None:
-                return spare, self._recast(w, spare, in_capture)
+                return spare, self._recast(w, spare, in_capture, rowwise)
             w = w.contiguous()
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
             return (Float8BlockTensor(data, si, 128, dtype=w.dtype, shape=w.shape),
                     Float8BlockTensor(data_t, si_t, 128, dtype=w.dtype)), None
         if spare is not None:
-            return spare, self._recast(w, spare, in_capture)
+            return spare, self._recast(w, spare, in_capture, rowwise)
         scratch, amax, scale = self._weight_scratch(w, in_capture)
         fp8_dtype = self.fp8_dtype
         dev = w.device
