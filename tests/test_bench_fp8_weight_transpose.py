@@ -32,3 +32,20 @@ def test_bench_fp8_weight_transpose_tiny_cpu(tmp_path):
     assert [r["mode"] for r in rows] == list(bench.MODES) == ["both", "transpose", "rowwise"]
     assert all(r["row"] == "tiny" and r["ms"] > 0 for r in rows)
     assert rows[0]["time_vs_both"] == pytest.approx(1.0)
+
+
+@needs_fp8
+def test_ab_weight_rowwise_cache_runs_and_restores(tmp_path):
+    """benchmarks/ab_weight_rowwise_cache.py: a row per recipe, both
+    layouts timed, the setting given back."""
+    import ab_weight_rowwise_cache as ab
+    from seqfuse.quantization import weight_rowwise_cache
+
+    before = weight_rowwise_cache()
+    out = str(tmp_path / "ab")
+    ab.main(["--rounds", "2", "--iters", "1", "--out", out])
+    assert weight_rowwise_cache() == before
+    with open(out + ".json") as f:
+        rows = json.load(f)["rows"]
+    assert [r["recipe"] for r in rows] == ["delayed", "current", "block"]
+    assert all(r["lean_us"] > 0 and r["keep_us"] > 0 and r["bf16_us"] > 0 for r in rows)
