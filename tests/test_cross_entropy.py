@@ -479,6 +479,28 @@ def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed
         assert rel_error(b.grad, bd.grad) < 0.1
 
 
+def test_linear_cross_entropy_fp8_lets_the_weights_rowwise_copy_go(monkeypatch):
+    """Under fp8_recipe the weight's row-wise FP8 copy (the logits' operand)
+    is let go after the last chunk's logits: that chunk's gradients run
+    without it (one [V, H] byte buffer less at the loss's peak), the earlier
+    chunks' with it."""
+    from seqfuse.common.recipe import DelayedScaling
+
+    ce = importlib.import_module("seqfuse.modules.cross_entropy")  # (the package's name is the function)
+    seen = []
+    real = ce._Fp8ChunkGemms.grads
+
+    def grads(self, *args, **kwargs):
+        seen.append(self.wq.data is None)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ce._Fp8ChunkGemms, "grads", grads)
+    hidden = torch.randn(40, 32).to(torch.bfloat16).requires_grad_(True)
+    weight = torch.randn(48, 32).to(torch.bfloat16).requires_grad_(True)
+    linear_cross_entropy(hidden, weight, make_labels(40, 48), chunk_size=16, fp8_recipe=DelayedScaling()).backward()
+    assert seen == [False, False, True]
+
+
 def test_linear_cross_entropy_fp8_rules():
     from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
 

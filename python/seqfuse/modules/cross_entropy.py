@@ -235,7 +235,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for start in range(0, n, chunk):
                 h = hidden[start:start + chunk].detach()
                 y = labels[start:start + chunk]
-                logits = gemms.logits(h)
+                logits = gemms.logits(h, last=start + chunk >= n)
                 loss, lse = _loss.cross_entropy_forward(logits, y, ignore_index, label_smoothing,
                                                         check_labels=chunk_check, labels_of=labels_of)
                 total += loss.sum()
@@ -277,7 +277,7 @@ class _ChunkGemms:
     def __init__(self, weight, bias):
         self.weight, self.bias = weight, bias
 
-    def logits(self, h):
+    def logits(self, h, last=False):
         return _gemm(h, self.weight, transb=True, bias=self.bias, allow_tf32=False)
 
     def grads(self, dlogits, h, grad_h, grad_w, accumulate):
@@ -306,13 +306,18 @@ class _Fp8ChunkGemms:
         self.g_scale = torch.where(torch.isfinite(bound) & (bound > 0), torch.finfo(self.backward_dtype).max / bound,
                                    torch.ones_like(bound))
 
-    def logits(self, h):
+    def logits(self, h, last=False):
+        """The chunk's logits; ``last``: the last chunk's, after which the
+        weight's row-wise FP8 copy is let go (the gradients read W^T): a
+        [V, H] byte buffer less while the chunk's gradient is cast."""
         rows = h.shape[0]
         mp = _padded_rows(rows)
         # the chunk's cast is kept for its weight gradient (its transposed copy)
         self.hq = _quantize_current(h, self.forward_dtype, transpose=self.need_w, rows=None if mp == rows else mp)
         out = F8.gemm(F8.rowwise(self.hq, None), (self.wq.data, self.wq.scale_inv, None), h.dtype,
                       bias=self.bias, fast_accum=True)
+        if last:
+            self.wq.data = None  # (its GEMM is enqueued: the caching allocator reuses it in stream order)
         return _row_prefix(out, rows)
 
     def grads(self, dlogits, h, grad_h, grad_w, accumulate):
