@@ -421,6 +421,30 @@ def _cached_fp8_bytes(m):
     return sum(seen.values())
 
 
+def _lean_against_kept(module, scenario):
+    """``scenario(m, keep)`` run on ``module`` under the default weight cache
+    (W^T alone in training) and on a copy of it (made first) keeping W too
+    (set_weight_rowwise_cache(True), ``keep``); the two runs' results are
+    equal, tensors bit for bit, other values as values."""
+    from seqfuse.quantization import set_weight_rowwise_cache
+
+    results = []
+    for m, keep in ((module, False), (copy.deepcopy(module), True)):
+        previous = set_weight_rowwise_cache(keep)
+        try:
+            results.append(scenario(m, keep))
+        finally:
+            set_weight_rowwise_cache(previous)
+    assert len(results[0]) == len(results[1])
+    for u, v in zip(*results):
+        assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
+
+
+def _step_results(m, y, x):
+    """What a training step's comparison reads: the output, the input's and the parameters' gradients."""
+    return [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+
+
 @needs_fp8
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -437,46 +461,38 @@ def test_training_keeps_weight_transpose_alone(kind, n_weights, recipe, device, 
     Over four training steps, and a no-grad call before the last update,
     outputs, gradients and cast counts equal, bit for bit, those of the same
     module keeping W (set_weight_rowwise_cache(True))."""
-    from seqfuse.quantization import set_weight_rowwise_cache
-
     torch.manual_seed(seed)
-    a = _module(kind, device)
-    b = copy.deepcopy(a)
     make = RECIPES[recipe]
     shape = (8, 5, 128) if kind == "TransformerLayer" else (40, 128)  # (TransformerLayer: [s, b, h])
-    elements = sum(p.numel() for p in a.parameters() if p.dim() == 2)
-    results = []
-    for m, keep in ((a, False), (b, True)):
-        previous = set_weight_rowwise_cache(keep)
-        try:
-            gen = torch.Generator(device=device).manual_seed(seed + 1)
-            opt = torch.optim.SGD(m.parameters(), lr=0.5)
-            seen = []
-            for step in range(4):
-                for micro in range(2 if step == 2 else 1):
-                    x = torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16).requires_grad_()
-                    with te.autocast(recipe=make()):
-                        y = m(x)
-                    lean = not keep and (step < 2 or (step == 2 and micro == 0))
-                    pairs = _cached_pairs(m)
-                    assert len(pairs) == n_weights
-                    assert all((op.data is None) == lean and dgrad is not None for op, dgrad in pairs), (step, micro)
-                    if recipe != "block":  # (block scaling's two copies carry their own scale matrices)
-                        assert _cached_fp8_bytes(m) == (1 if lean else 2) * elements
-                    y.float().square().mean().backward()
-                    seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-                if step == 3:
-                    with torch.no_grad(), te.autocast(recipe=make()):
-                        seen.append(m(x.detach()))
-                opt.step()
-                opt.zero_grad()
-            seen.append(weight_casts(m))
-        finally:
-            set_weight_rowwise_cache(previous)
-        results.append(seen)
-    assert results[0][-1] == results[1][-1] == 4 * n_weights
-    for u, v in zip(results[0][:-1], results[1][:-1]):
-        assert torch.equal(u, v)
+    module = _module(kind, device)
+    elements = sum(p.numel() for p in module.parameters() if p.dim() == 2)
+
+    def scenario(m, keep):
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        seen = []
+        for step in range(4):
+            for micro in range(2 if step == 2 else 1):
+                x = torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16).requires_grad_()
+                with te.autocast(recipe=make()):
+                    y = m(x)
+                lean = not keep and (step < 2 or (step == 2 and micro == 0))
+                pairs = _cached_pairs(m)
+                assert len(pairs) == n_weights
+                assert all((op.data is None) == lean and dgrad is not None for op, dgrad in pairs), (step, micro)
+                if recipe != "block":  # (block scaling's two copies carry their own scale matrices)
+                    assert _cached_fp8_bytes(m) == (1 if lean else 2) * elements
+                y.float().square().mean().backward()
+                seen += _step_results(m, y, x)
+            if step == 3:
+                with torch.no_grad(), te.autocast(recipe=make()):
+                    seen.append(m(x.detach()))
+            opt.step()
+            opt.zero_grad()
+        assert weight_casts(m) == 4 * n_weights
+        return seen
+
+    _lean_against_kept(module, scenario)
 
 
 @needs_fp8
@@ -486,35 +502,28 @@ def test_checkpoint_recompute_keeps_weight_transpose_alone(recipe, seed):
     W again from W^T's bytes for that forward alone: the cache still keeps
     W^T alone at every step, and outputs and gradients equal those of the
     module that keeps W."""
-    from seqfuse.quantization import checkpoint, set_weight_rowwise_cache
+    from seqfuse.quantization import checkpoint
 
     torch.manual_seed(seed)
-    a = _module("LayerNormMLP", "cpu")
-    b = copy.deepcopy(a)
     make = RECIPES[recipe]
-    results = []
-    for m, keep in ((a, False), (b, True)):
-        previous = set_weight_rowwise_cache(keep)
-        try:
-            opt = torch.optim.SGD(m.parameters(), lr=0.5)
-            gen = torch.Generator().manual_seed(seed + 1)
-            seen = []
-            for _ in range(3):
-                x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).requires_grad_()
-                with te.autocast(recipe=make()):
-                    y = checkpoint(m, x)
-                y.float().square().mean().backward()
-                assert all((op.data is None) != keep for op, _ in _cached_pairs(m))
-                seen += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
-                opt.step()
-                opt.zero_grad()
-            seen.append(weight_casts(m))
-        finally:
-            set_weight_rowwise_cache(previous)
-        results.append(seen)
-    assert results[0][-1] == results[1][-1] == 6
-    for u, v in zip(results[0][:-1], results[1][:-1]):
-        assert torch.equal(u, v)
+
+    def scenario(m, keep):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        gen = torch.Generator().manual_seed(seed + 1)
+        seen = []
+        for _ in range(3):
+            x = torch.randn(40, 128, generator=gen).to(torch.bfloat16).requires_grad_()
+            with te.autocast(recipe=make()):
+                y = checkpoint(m, x)
+            y.float().square().mean().backward()
+            assert all((op.data is None) != keep for op, _ in _cached_pairs(m))
+            seen += _step_results(m, y, x)
+            opt.step()
+            opt.zero_grad()
+        assert weight_casts(m) == 6
+        return seen
+
+    _lean_against_kept(_module("LayerNormMLP", "cpu"), scenario)
 
 
 @needs_fp8
@@ -525,38 +534,30 @@ def test_no_grad_call_then_training_keeps_weight_transpose_alone(recipe, seed):
     path's re-cast) keep W^T alone too -- one FP8 byte per weight element
     (per tensor: counted) -- with the outputs and gradients of the module
     that keeps both."""
-    from seqfuse.quantization import set_weight_rowwise_cache
-
     torch.manual_seed(seed)
-    a = _module("LayerNormMLP", "cpu")
-    b = copy.deepcopy(a)
     make = RECIPES[recipe]
-    elements = sum(p.numel() for p in a.parameters() if p.dim() == 2)
+    module = _module("LayerNormMLP", "cpu")
+    elements = sum(p.numel() for p in module.parameters() if p.dim() == 2)
     x = torch.randn(40, 128, dtype=torch.bfloat16)
-    seen = []
-    for m, keep in ((a, False), (b, True)):
-        previous = set_weight_rowwise_cache(keep)
-        try:
-            opt = torch.optim.SGD(m.parameters(), lr=0.5)
-            out = []
-            with torch.no_grad(), te.autocast(recipe=make()):
-                out.append(m(x))
-            for _ in range(2):
-                xi = x.clone().requires_grad_()
-                with te.autocast(recipe=make()):
-                    y = m(xi)
-                assert all((op.data is None) != keep and dgrad is not None for op, dgrad in _cached_pairs(m))
-                if recipe != "block" and not keep:
-                    assert _cached_fp8_bytes(m) == elements
-                y.float().square().mean().backward()
-                out += [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
-                opt.step()
-                opt.zero_grad()
-            seen.append(out)
-        finally:
-            set_weight_rowwise_cache(previous)
-    for u, v in zip(*seen):
-        assert torch.equal(u, v)
+
+    def scenario(m, keep):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        with torch.no_grad(), te.autocast(recipe=make()):
+            seen = [m(x)]
+        for _ in range(2):
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                y = m(xi)
+            assert all((op.data is None) != keep and dgrad is not None for op, dgrad in _cached_pairs(m))
+            if recipe != "block" and not keep:
+                assert _cached_fp8_bytes(m) == elements
+            y.float().square().mean().backward()
+            seen += _step_results(m, y, xi)
+            opt.step()
+            opt.zero_grad()
+        return seen
+
+    _lean_against_kept(module, scenario)
 
 
 @needs_fp8
@@ -568,33 +569,30 @@ def test_inference_mode_call_after_lean_training(recipe, seed):
     autograd refuses): a training step after it, the weight unchanged and
     keeping W instead of W^T (set_weight_transpose_cache(False)), runs, and
     every output equals the module's that kept both copies."""
-    from seqfuse.quantization import set_weight_rowwise_cache, set_weight_transpose_cache
+    from seqfuse.quantization import set_weight_transpose_cache
 
     torch.manual_seed(seed)
-    a = _module("LayerNormMLP", "cpu")
-    b = copy.deepcopy(a)
     make = RECIPES[recipe]
     x = torch.randn(40, 128, dtype=torch.bfloat16)
-    seen = []
-    for m, keep in ((a, False), (b, True)):
-        previous = set_weight_rowwise_cache(keep), set_weight_transpose_cache(True)
+
+    def scenario(m, keep):
+        previous = set_weight_transpose_cache(True)
         try:
             with te.autocast(recipe=make()):
                 m(x.clone().requires_grad_()).float().sum().backward()
             with torch.inference_mode(), te.autocast(recipe=make()):
-                out = [m(x)]
+                seen = [m(x).clone()]
             assert all((op.data is None) != keep for op, _ in _cached_pairs(m))
             set_weight_transpose_cache(False)
             xi = x.clone().requires_grad_()
             with te.autocast(recipe=make()):
                 y = m(xi)
             y.float().square().mean().backward()
-            seen.append(out + [y.detach(), xi.grad])
+            return seen + [y.detach(), xi.grad]
         finally:
-            set_weight_rowwise_cache(previous[0])
-            set_weight_transpose_cache(previous[1])
-    for u, v in zip(*seen):
-        assert torch.equal(u.clone(), v.clone())
+            set_weight_transpose_cache(previous)
+
+    _lean_against_kept(_module("LayerNormMLP", "cpu"), scenario)
 
 
 @needs_fp8
