@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Session 55, call 2: the FP8 weight cache keeping W^T alone in training (the forward operand in a transient
-# buffer: set_weight_rowwise_cache, the new default) on a GPU -- the cuda tests of the FP8 modules (the new
+# Written in session 55 (its call 2, never run: no machine, then no device time): the FP8 weight cache
+# keeping W^T alone in training (the forward operand in a transient buffer: set_weight_rowwise_cache, the new
+# default) on a GPU -- the cuda tests of the FP8 modules (the new
 # ones in tests/test_fp8_any_rows.py included), bench_fp8_weight_transpose.py's three cache layouts at the Llama 1B
 # (accelerate) and ESM-2 650M-stack shapes (step time and peak memory, one process), and accelerate()'s FP8 rows at
-# 4,096 tokens with their peers, to set beside call 1's (which ran the package before this change).
+# 4,096 tokens with their peers, to set beside s55's call 1 (which ran the package before this change).
 # Make .s54/carry/pkg_head.tar.xz: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz.
 # Carry .whl, .s52/carry and .s54/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s55_2.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s56_1_not_run.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
