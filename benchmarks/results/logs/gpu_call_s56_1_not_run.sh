@@ -16,11 +16,11 @@ TAIL=8 run 90 cuda_tests python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -
   tests/test_fp8_any_rows.py tests/test_weight_cast_paths.py tests/test_linear.py tests/test_graphs_first_step.py \
   tests/test_layernorm_mlp_fp8_recompute.py tests/test_scaling.py
 pack
-TAIL=12 run 120 weight_cache bash -c "python3 benchmarks/bench_fp8_weight_transpose.py --rows llama1b,esm650 --rounds 4 \
-  --out fp8_weight_cache_s55 && cp benchmarks/results/fp8_weight_cache_s55.json $LOG/"
+TAIL=12 run 120 weight_cache bash -c "python3 benchmarks/bench_fp8_weight_transpose.py --rows llama1b,esm650 \
+  --rounds 4 --out fp8_weight_cache_s56 && cp benchmarks/results/fp8_weight_cache_s56.json $LOG/"
 pack
 A=hf_eager,seqfuse_fp8_delayed,seqfuse_fp8_delayed_fused_adamw,seqfuse_fp8_delayed_head_fused_adamw,liger
 TAIL=16 run 120 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
-  --rows $A --out hf_accelerate_s55_4096_lean
-cp benchmarks/results/hf_accelerate_s55_4096_lean.json "$LOG/" 2>/dev/null
+  --rows $A --out hf_accelerate_s56_4096_lean
+cp benchmarks/results/hf_accelerate_s56_4096_lean.json "$LOG/" 2>/dev/null
 exit $status
