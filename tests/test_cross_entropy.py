@@ -479,11 +479,13 @@ def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed
         assert rel_error(b.grad, bd.grad) < 0.1
 
 
-def test_linear_cross_entropy_fp8_lets_the_weights_rowwise_copy_go(monkeypatch):
+@pytest.mark.parametrize("n,chunk,chunks", [(40, 16, 3), (32, 16, 2), (5, 16, 1), (40, None, 1), (3, 1, 3)])
+def test_linear_cross_entropy_fp8_lets_the_weights_rowwise_copy_go(n, chunk, chunks, monkeypatch):
     """Under fp8_recipe the weight's row-wise FP8 copy (the logits' operand)
     is let go after the last chunk's logits: that chunk's gradients run
     without it (one [V, H] byte buffer less at the loss's peak), the earlier
-    chunks' with it."""
+    chunks' with it; the loss and gradients are those of a run that keeps
+    it."""
     from seqfuse.common.recipe import DelayedScaling
 
     ce = importlib.import_module("seqfuse.modules.cross_entropy")  # (the package's name is the function)
@@ -494,11 +496,24 @@ def test_linear_cross_entropy_fp8_lets_the_weights_rowwise_copy_go(monkeypatch):
         seen.append(self.wq.data is None)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ce._Fp8ChunkGemms, "grads", grads)
-    hidden = torch.randn(40, 32).to(torch.bfloat16).requires_grad_(True)
-    weight = torch.randn(48, 32).to(torch.bfloat16).requires_grad_(True)
-    linear_cross_entropy(hidden, weight, make_labels(40, 48), chunk_size=16, fp8_recipe=DelayedScaling()).backward()
-    assert seen == [False, False, True]
+    torch.manual_seed(n)
+    hidden = torch.randn(n, 32).to(torch.bfloat16)
+    weight = torch.randn(48, 32).to(torch.bfloat16)
+    labels = make_labels(n, 48)
+    results = []
+    for release in (True, False):
+        if not release:  # (the reference: the copy kept to the end)
+            logits = ce._Fp8ChunkGemms.logits
+            monkeypatch.setattr(ce._Fp8ChunkGemms, "logits", lambda self, h, last=False: logits(self, h))
+        monkeypatch.setattr(ce._Fp8ChunkGemms, "grads", grads)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = linear_cross_entropy(h, w, labels, chunk_size=chunk, fp8_recipe=DelayedScaling())
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+        if release:
+            assert seen == [False] * (chunks - 1) + [True]
+    for u, v in zip(*results):
+        assert torch.equal(u, v)
 
 
 def test_linear_cross_entropy_fp8_rules():

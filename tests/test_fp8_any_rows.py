@@ -530,10 +530,10 @@ def test_checkpoint_recompute_keeps_weight_transpose_alone(recipe, seed):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_no_grad_call_then_training_keeps_weight_transpose_alone(recipe, seed):
     """A no-grad call caches W alone; a training call after it (the weight
-    unchanged: W^T made from W's bytes) and one after an update (the general
-    path's re-cast) keep W^T alone too -- one FP8 byte per weight element
-    (per tensor: counted) -- with the outputs and gradients of the module
-    that keeps both."""
+    unchanged: W^T made from W's bytes) and one after an update (a new cast:
+    a pair given W^T later is not written in place) keep W^T alone too --
+    one FP8 byte per weight element (per tensor: counted) -- with the
+    outputs and gradients of the module that keeps both."""
     torch.manual_seed(seed)
     make = RECIPES[recipe]
     module = _module("LayerNormMLP", "cpu")
@@ -558,6 +558,49 @@ def test_no_grad_call_then_training_keeps_weight_transpose_alone(recipe, seed):
         return seen
 
     _lean_against_kept(module, scenario)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_general_path_recast_writes_rowwise_into_the_transient_buffer(recipe, seed, monkeypatch):
+    """With WeightQuantizer's short path off (get's general path decides
+    every call, as for a weight made from ``sources``), a training step after
+    an update re-casts into the cached pair's W^T and writes W into the
+    transient buffer: the cache never holds W, and outputs and gradients
+    equal those of the module that keeps both."""
+    from seqfuse.quantization.gemm_quantizers import WeightQuantizer
+
+    monkeypatch.setattr(WeightQuantizer, "_steady", lambda self, *args: None)
+    recast = WeightQuantizer._recast
+    rowwise_given = []
+
+    def watched(self, w, spare, in_capture=False, rowwise=None):
+        rowwise_given.append(rowwise is not None)
+        return recast(self, w, spare, in_capture, rowwise)
+
+    monkeypatch.setattr(WeightQuantizer, "_recast", watched)
+    torch.manual_seed(seed)
+    make = RECIPES[recipe]
+    gen = torch.Generator().manual_seed(seed + 1)
+    xs = [torch.randn(40, 128, generator=gen).to(torch.bfloat16) for _ in range(3)]
+
+    def scenario(m, keep):
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        seen = []
+        rowwise_given.clear()
+        for x in xs:
+            xi = x.clone().requires_grad_()
+            with te.autocast(recipe=make()):
+                y = m(xi)
+            assert all((op.data is None) != keep for op, _ in _cached_pairs(m))
+            y.float().square().mean().backward()
+            seen += _step_results(m, y, xi)
+            opt.step()
+            opt.zero_grad()
+        assert rowwise_given == [not keep] * 4, rowwise_given  # (steps 2 and 3, two weights each)
+        return seen
+
+    _lean_against_kept(_module("LayerNormMLP", "cpu"), scenario)
 
 
 @needs_fp8

@@ -80,10 +80,13 @@ weight) that only that call's forward GEMM reads: one FP8 byte per weight
 element from the forward to the backward, as Transformer Engine keeps,
 not two.  A forward that finds the weight unchanged makes W from W^T's
 bytes (a byte transpose, the bits the cast wrote): inside
-seqfuse.quantization.checkpoint's recompute for that forward alone; else
-(gradient accumulation without is_first_microbatch, an eval call) it keeps
-W from then on, and that weight keeps it at every later cast, so an
-accumulation loop transposes once.  With is_first_microbatch given, under
+seqfuse.quantization.checkpoint's recompute for that forward alone; under
+torch.inference_mode for that call alone too (a transpose and a new buffer
+per weight and call, until a call outside that mode keeps W: an inference
+tensor must not stay in a cache that training calls read); else (gradient
+accumulation without is_first_microbatch, a no-grad eval call) it keeps W
+from then on, and after such a training call that weight keeps it at every
+later cast, so an accumulation loop transposes once.  With is_first_microbatch given, under
 CUDA graph capture and after ``set_weight_rowwise_cache(True)`` W stays
 cached beside W^T (GroupedLinear has its own rule: its module note).
 A weight FSDP2 all-gathered in FP8 (seqfuse.distributed.fp8_allgather)
@@ -708,8 +711,9 @@ class WeightQuantizer(_Role):
         a byte transpose (the bits the cast wrote: per tensor both copies of
         one cast, block scaling's W and W^T the same 128x128 blocks): inside
         a checkpoint's recompute (seqfuse.quantization.checkpoint) into the
-        transient buffer for the answer alone (_rowwise_buffer); else kept in
-        the cache from then on -- a lean call that finds its weight unchanged
+        transient buffer for the answer alone (_rowwise_buffer); under
+        torch.inference_mode in a pair cast outside it, into a new buffer for
+        the answer alone; else kept in the cache from then on -- a lean call that finds its weight unchanged
         since the cast (gradient accumulation without is_first_microbatch,
         torch's own checkpoint) makes this role keep W at every cast after
         (``reused``), so such a loop transposes once, not at every
