@@ -201,16 +201,22 @@ _weight_transpose_cache = [True]
 _weight_rowwise_cache = [False]
 
 
+def _swap_setting(name, setting, enabled):
+    """``setting[0] = enabled`` (a bool, else TypeError naming the setter
+    ``name``); returns the previous value."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{name}: argument 'enabled' must be a bool, got {type(enabled).__name__}")
+    previous, setting[0] = setting[0], enabled
+    return previous
+
+
 def set_weight_rowwise_cache(enabled):
     """Whether a training call of Linear, LayerNormLinear and LayerNormMLP
     keeps the weight's row-wise FP8 copy (the forward operand) in the weight
     cache until the weight changes (True) or gives it to its forward GEMM
     alone (False, the default: the cache keeps W^T, which the backward
     reads); see the module note.  Returns the previous setting."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_weight_rowwise_cache: argument 'enabled' must be a bool, got {type(enabled).__name__}")
-    previous, _weight_rowwise_cache[0] = _weight_rowwise_cache[0], enabled
-    return previous
+    return _swap_setting("set_weight_rowwise_cache", _weight_rowwise_cache, enabled)
 
 
 def weight_rowwise_cache():
@@ -224,10 +230,7 @@ def set_weight_transpose_cache(enabled):
     bytes (False: less memory, a transpose per weight and backward); see
     the module note.  Applies from the next weight cast on.  Returns the
     previous setting."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_weight_transpose_cache: argument 'enabled' must be a bool, got {type(enabled).__name__}")
-    previous, _weight_transpose_cache[0] = _weight_transpose_cache[0], enabled
-    return previous
+    return _swap_setting("set_weight_transpose_cache", _weight_transpose_cache, enabled)
 
 
 def weight_transpose_cache():
