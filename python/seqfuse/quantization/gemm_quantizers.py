@@ -86,9 +86,10 @@ per weight and call, until a call outside that mode keeps W: an inference
 tensor must not stay in a cache that training calls read); else (gradient
 accumulation without is_first_microbatch, a no-grad eval call) it keeps W
 from then on, and after such a training call that weight keeps it at every
-later cast, so an accumulation loop transposes once.  With is_first_microbatch given, under
-CUDA graph capture and after ``set_weight_rowwise_cache(True)`` W stays
-cached beside W^T (GroupedLinear has its own rule: its module note).
+later cast, so an accumulation loop transposes once.  With
+is_first_microbatch given, under CUDA graph capture and after
+``set_weight_rowwise_cache(True)`` W stays cached beside W^T (GroupedLinear
+has its own rule: its module note).
 A weight FSDP2 all-gathered in FP8 (seqfuse.distributed.fp8_allgather)
 brings its own FP8 bytes: ``get`` takes them (and makes the transposed
 copy) instead of casting, and caches nothing.
@@ -696,7 +697,7 @@ class WeightQuantizer(_Role):
         if pair is None:
             spare = self._spare(note, grad)
             if lean and not in_capture and spare is not None and spare[0].data is None:
-                w = self._rowwise_buffer(spare[1].data if self.owner.kind == "block" else spare[1].data_t)
+                w = self._rowwise_buffer(self._transposed_bytes(spare))
             pair = self.store(note, *self._cast_weight(weight.detach(), grad, spare, in_capture, rowwise=w))
         elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
@@ -716,17 +717,17 @@ class WeightQuantizer(_Role):
         a checkpoint's recompute (seqfuse.quantization.checkpoint) into the
         transient buffer for the answer alone (_rowwise_buffer); under
         torch.inference_mode in a pair cast outside it, into a new buffer for
-        the answer alone; else kept in the cache from then on -- a lean call that finds its weight unchanged
-        since the cast (gradient accumulation without is_first_microbatch,
-        torch's own checkpoint) makes this role keep W at every cast after
-        (``reused``), so such a loop transposes once, not at every
-        micro-batch.  ``w``: the forward operand's bytes this call's re-cast
+        the answer alone; else kept in the cache from then on -- a lean call
+        that finds its weight unchanged since the cast (gradient accumulation
+        without is_first_microbatch, torch's own checkpoint) makes this role
+        keep W at every cast after (``reused``), so such a loop transposes
+        once, not at every micro-batch.  ``w``: the forward operand's bytes this call's re-cast
         wrote into that buffer."""
         q, qt = pair
         if w is None:
             w = q.data
             if w is None:
-                wt = qt.data if self.owner.kind == "block" else qt.data_t
+                wt = self._transposed_bytes(pair)
                 if lean and recompute.open_contexts and recompute.replaying():
                     w = qops.transpose_fp8(wt, out=self._rowwise_buffer(wt))
                 elif torch.is_inference_mode_enabled() and not self.inference:
@@ -745,6 +746,11 @@ class WeightQuantizer(_Role):
         if self.owner.kind == "block":
             return Float8BlockTensor(w, q.scale_inv, 128, dtype=q.dtype, shape=q.shape), qt
         return Float8Tensor(w, q.scale_inv, q.fp8_dtype, data_t=q.data_t, dtype=q.dtype, shape=q.shape), qt
+
+    def _transposed_bytes(self, pair):
+        """W^T's bytes [K, N] in a cached ``pair`` (per tensor the operand's
+        data_t; block scaling the second operand's data)."""
+        return pair[1].data if self.owner.kind == "block" else pair[1].data_t
 
     @staticmethod
     def _rowwise_buffer(wt):
@@ -823,7 +829,7 @@ class WeightQuantizer(_Role):
         q = pair[0]
         w = None
         if lean and q.data is None:  # (W into the transient buffer, W^T into the cached one)
-            w = self._rowwise_buffer(pair[1].data if o.kind == "block" else q.data_t)
+            w = self._rowwise_buffer(self._transposed_bytes(pair))
         # (no detach: the C entries take a tensor that requires grad as its memory)
         self._recast(weight, pair, rowwise=w)
         self.casts += 1
@@ -951,7 +957,7 @@ class WeightQuantizer(_Role):
         data = rowwise
         if data is None:
             if q.data is None:  # (a lean pair: the cache kept W^T alone, _rowwise_answer)
-                wt = qt.data if o.kind == "block" else qt.data_t
+                wt = self._transposed_bytes(spare)
                 q.data = torch.empty(wt.shape[1], wt.shape[0], dtype=wt.dtype, device=wt.device)
             data = q.data
         if o.kind == "block":
