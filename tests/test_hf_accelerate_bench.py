@@ -48,6 +48,28 @@ def test_bench_accelerate_fused_adamw_row(tmp_path):
     assert "FusedAdamW" in doc["optimizer"] and "torch.optim.AdamW" in doc["optimizer"]
 
 
+def test_bench_accelerate_fp8_recompute_row(tmp_path):
+    """seqfuse_fp8_delayed_recompute is the FP8 delayed row with
+    recompute_activation=True: the same forward (the same first loss), the
+    note saying it fused every layer."""
+    out = str(tmp_path / "acc_fp8.json")
+    bench_accelerate.main(["--shape", "tiny", "--device", "cpu", "--seq", "32", "--rows",
+                           "seqfuse_fp8_delayed,seqfuse_fp8_delayed_recompute", "--warmup", "1", "--steps", "1",
+                           "--out", out])
+    with open(out) as f:
+        doc = json.load(f)
+    rows = {r["row"]: r for r in doc["rows"]}
+    assert all("error" not in r for r in rows.values()), doc["rows"]
+    assert rows["seqfuse_fp8_delayed_recompute"]["loss0"] == rows["seqfuse_fp8_delayed"]["loss0"]
+    assert rows["seqfuse_fp8_delayed_recompute"]["note"].startswith("fused 2 layers")
+    from seqfuse.modules.layernorm_mlp import LayerNormMLP
+
+    base, family = bench_accelerate.build_base("tiny", None, torch.device("cpu"))
+    for row, want in (("seqfuse_fp8_delayed", False), ("seqfuse_fp8_delayed_recompute", True)):
+        mlps = [m for m in bench_accelerate.prepare(row, base, family)[0].modules() if isinstance(m, LayerNormMLP)]
+        assert len(mlps) == 2 and all(m.recompute_activation is want for m in mlps), row
+
+
 def test_fused_adamw_like_torch_is_torch_adamws_update():
     """peers.optimizers.fused_adamw_like_torch steps bf16 parameters as
     torch's AdamW does (the rows stepping either differ only in the kernel):

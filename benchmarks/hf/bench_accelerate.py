@@ -21,6 +21,11 @@ transformers' module-level rotary function is global):
   seqfuse_bf16_keep    accelerate(model, recompute_activation=False): the
                        MLPs keep their gated activation (one [tokens, FFN]
                        tensor a layer more kept, one elementwise pass less)
+  seqfuse_fp8_delayed_recompute  accelerate(model, recipe=DelayedScaling(),
+                       recompute_activation=True): under FP8 the MLPs keep
+                       FC1's output alone and make the activation's FP8
+                       transposed copy again in the backward (one byte an
+                       element of [tokens, FFN] less kept a layer)
   <seqfuse row>_fused_adamw  that row stepping seqfuse's FusedAdamW set to
                        torch AdamW's update and state (bf16 moments, no
                        master: peers/optimizers.py) instead of torch's fused
@@ -75,9 +80,10 @@ import peers  # noqa: E402,F401  (seqfuse from a source checkout)
 from peers import optimizers  # noqa: E402
 from peers.meta import try_import  # noqa: E402
 from peers.timing import Results, error_text, parse_list  # noqa: E402
+import memory_peak  # noqa: E402
 
 ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfuse_fp8_delayed_head",
-        "seqfuse_fp8_block", "seqfuse_bf16_keep", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
+        "seqfuse_fp8_block", "seqfuse_bf16_keep", "seqfuse_fp8_delayed_recompute", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
         "seqfuse_fp8_delayed_head_graphed", "seqfuse_bf16_fused_adamw", "seqfuse_fp8_delayed_fused_adamw",
         "seqfuse_fp8_delayed_head_fused_adamw", "liger")
 
@@ -159,9 +165,11 @@ def prepare(row, base, family, shape=None):
 
         recipe = {"seqfuse_bf16": None, "seqfuse_fp8_delayed": DelayedScaling(),
                   "seqfuse_fp8_delayed_head": DelayedScaling(),
-                  "seqfuse_fp8_block": Float8BlockScaling(), "seqfuse_bf16_keep": None}[row]
+                  "seqfuse_fp8_block": Float8BlockScaling(), "seqfuse_bf16_keep": None,
+                  "seqfuse_fp8_delayed_recompute": DelayedScaling()}[row]
+        recompute = {"seqfuse_bf16_keep": False, "seqfuse_fp8_delayed_recompute": True}.get(row)
         report = accelerate(model, recipe=recipe, fp8_lm_head=row == "seqfuse_fp8_delayed_head",
-                            **({"recompute_activation": False} if row == "seqfuse_bf16_keep" else {}))
+                            recompute_activation=recompute)
         print(report, flush=True)
         if len(report.fused) != model.config.num_hidden_layers:
             raise RuntimeError(f"accelerate fused {len(report.fused)} of {model.config.num_hidden_layers} layers:\n"
@@ -186,15 +194,22 @@ def train_row(model, ids, warmup, steps, device, row=""):
         opt = optimizers.torch_adamw(model.parameters(), device, lr=1e-5)
     cache_off = {} if model.config.model_type == "bert" else {"use_cache": False}  # (an encoder has no cache)
 
-    def step():
+    def forward():
         # use_cache=False as a training loop passes it: a key cache built in every training forward costs
         # every row, and under torch.compile its per-layer state forces recompiles (the s9 run hit the limit)
-        loss = model(input_ids=ids, labels=ids, **cache_off).loss
-        loss.backward()
+        return model(input_ids=ids, labels=ids, **cache_off).loss
+
+    def update():
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    def step():
+        loss = forward()
+        loss.backward()
+        update()
         return loss
 
+    step.phases = lambda: memory_peak.phase_peaks(forward, torch.Tensor.backward, update, device)
     loss0 = float(step().detach())
     for _ in range(max(0, warmup - 1)):
         step()
@@ -248,6 +263,10 @@ def main(argv=None):
                         "(benchmarks/profile_summary.py; the peak memory then covers them too) and, on the GPU, "
                         "the Python stacks of one step's synchronizing CUDA calls into DIR/<out>_<row>_syncs.txt")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--memory", default=None, metavar="DIR",
+                   help="GPU, train mode: after each row's timed steps, record the allocator's history over two "
+                        "more steps and write what is live at their peak, by the Python frames that made it, to "
+                        "DIR/<out>_<row>_memory.txt (benchmarks/memory_peak.py)")
     args = p.parse_args(argv)
     rows = parse_list(p, "--rows", args.rows, ROWS)
     rows = [r for r in ROWS if r in rows]  # Liger last: its rotary patch is module-wide
@@ -308,9 +327,25 @@ def main(argv=None):
             del model
             continue
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else float("nan")
+        extra = {}
+        if device.type == "cuda" and args.mode == "train":  # where in the step the memory goes (one more step)
+            phases = {k: v - before / 2**30 for k, v in step.phases().items()}
+            extra["memory_phases_gib"] = phases
+            if args.memory:
+                os.makedirs(args.memory, exist_ok=True)
+                snap, at = memory_peak.record(lambda: [step() for _ in range(2)], device)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                b = memory_peak.breakdown(snap, at - before, index)
+                path = os.path.join(args.memory, f"{out}_{row}_memory.txt")
+                with open(path, "w") as f:
+                    f.write(memory_peak.format_breakdown(
+                        f"{row}: {args.shape}, {args.batch} x {args.seq} tokens, two training steps; GiB beyond "
+                        f"what was allocated before the row", b, phases))
+                extra["memory_breakdown"] = {k: b[k] for k in ("peak_gib", "baseline_gib")} | {"file": path}
+                del snap
         res.add(row=row, tokens_per_s=tokens / (ms / 1e3), ms_per_step=ms, peak_gib=peak,
                 convert_peak_gib=convert_peak, loss0=loss0,
-                wall_s=time.perf_counter() - t0, note=note)
+                wall_s=time.perf_counter() - t0, note=note, **extra)
         del model
     by = {r["row"]: r for r in res.rows if "tokens_per_s" in r}
     base_row = by.get("hf_eager")
@@ -325,10 +360,15 @@ def main(argv=None):
         else:
             print(f"{r['row']:38s} {r['tokens_per_s']:12.0f} {r['ms_per_step']:9.2f} {r['peak_gib']:9.2f} "
                   f"{r.get('vs_hf_eager', float('nan')):9.3f} {r['loss0']:9.4f}")
+    for r in res.rows:
+        if "memory_phases_gib" in r:
+            print(f"{r['row']:38s} GiB allocated by phase of a step: " +
+                  ", ".join(f"{k} {v:.2f}" for k, v in r["memory_phases_gib"].items()))
     goals = []
     if base_row and args.mode == "train":
         liger = by.get("liger")
         for row, need in (("seqfuse_bf16", 1.3), ("seqfuse_bf16_keep", 1.3), ("seqfuse_fp8_delayed", 1.7),
+                          ("seqfuse_fp8_delayed_recompute", 1.7),
                           ("seqfuse_fp8_delayed_head", 1.7), ("seqfuse_bf16_graphed", 1.3),
                           ("seqfuse_fp8_delayed_graphed", 1.7), ("seqfuse_fp8_delayed_head_graphed", 1.7),
                           ("seqfuse_bf16" + FUSED_ADAMW, 1.3), ("seqfuse_fp8_delayed" + FUSED_ADAMW, 1.7),
