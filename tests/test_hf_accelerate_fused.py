@@ -442,11 +442,12 @@ def test_cuda_llama_bf16_and_fp8(recipe_name):
 @pytest.mark.cuda
 def test_cuda_fused_loss_memory_is_one_chunk():
     """The labels path's loss (seqfuse.hf.fused_loss) at 32,768 tokens and a
-    32k vocabulary (two chunks at the default 1 GiB of logits per chunk)
+    32k vocabulary (eight chunks at the default 256 MiB of logits per chunk)
     holds at most one chunk of logits: its peak beyond the inputs is bounded
-    by one chunk's bf16 logits, the float32 weight-gradient accumulator, the
-    weight gradient and the hidden-state gradient (10 % slack), and is below
-    the full bf16 logits."""
+    by one chunk's bf16 logits, the weight gradient (summed in bf16: no
+    float32 [V, H] buffer, 131 MB, which the bound's slack does not cover)
+    and the hidden-state gradient (10 % slack and the GEMMs' 32 MiB
+    workspace), and is below the full bf16 logits."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from seqfuse.hf.fused_loss import fused_causal_lm_loss
@@ -467,7 +468,7 @@ def test_cuda_fused_loss_memory_is_one_chunk():
     peak = torch.cuda.max_memory_allocated() - base
     chunk = default_chunk_size(n, v, 2)
     assert chunk < n
-    bound = 1.1 * (chunk * v * 2 + v * h * 4 + v * h * 2 + n * h * 2 * 2)
+    bound = 1.1 * (chunk * v * 2 + v * h * 2 + n * h * 2 * 2) + (33 << 20)
     assert peak <= bound, (peak, bound)
     assert peak < n * v * 2  # the full bf16 logits alone
     # and the loss is torch's

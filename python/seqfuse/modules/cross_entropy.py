@@ -16,9 +16,13 @@
   Liger-Kernel does) and scaled by the upstream gradient in the backward.
   The chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on the GPU, the
   reference GEMM on the CPU): the logits GEMM with the bias in its epilogue,
-  and the weight gradient accumulated across chunks in a float32 buffer by
-  the GEMM itself (beta = 1), rounded to the weight's dtype once at the end.
-  The first call logs which GEMM runs.
+  and the weight gradient summed across chunks by the GEMM itself (beta =
+  1): in the weight's dtype by default (each chunk's float32 sum rounded
+  into it, as Liger-Kernel's default does: no [V, H] buffer beyond the
+  gradient), or with ``weight_grad_dtype=torch.float32`` in a float32 buffer
+  rounded to the weight's dtype once at the end (4 V H bytes more while the
+  forward runs: 1 GiB at a 128k vocabulary and H 2048).  The first call
+  logs which GEMM runs.
   With ``fp8_recipe`` (DelayedScaling or Float8CurrentScaling) the three
   GEMMs of every chunk run in FP8: the weight is cast once per call (E4M3,
   with its transposed copy for the hidden states' gradient), each chunk's
@@ -176,17 +180,20 @@ def _log_gemm_backend(fp8=None):
     if not _gemm_logged:
         _gemm_logged = True
         _log.info("linear_cross_entropy: chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on CUDA, "
-                  "the reference GEMM on the CPU)%s; weight gradient summed over chunks in float32 (one "
-                  "chunk: written by its GEMM in the weight's dtype)",
+                  "the reference GEMM on the CPU)%s; weight gradient summed over chunks by the GEMMs in the "
+                  "weight's dtype (weight_grad_dtype=torch.float32: in a float32 buffer)",
                   "" if fp8 is None else f" in FP8 ({fp8[0]} forward, {fp8[1]} gradients, current scaling)")
 
 
-def default_chunk_size(n, v, element_size, budget_bytes=1 << 30):
+def default_chunk_size(n, v, element_size, budget_bytes=256 << 20):
     """Rows per chunk so one chunk of logits takes at most ``budget_bytes``
-    (1 GiB), a multiple of 256 rows, at least 256.  Fewer chunks mean fewer
-    read-modify-writes of the float32 weight-gradient accumulator (4 V H
-    bytes each way per chunk, when there is more than one), which dominate
-    the cost beside the GEMMs."""
+    (256 MiB: 1,024 rows at a 128k vocabulary in bf16), a multiple of 256
+    rows, at least 256.  The chunk's logits are the loss's transient memory
+    at the end of the forward, where a model's saved activations peak;
+    each chunk after the first reads and writes the weight gradient once
+    more in its GEMM (2 V H bytes each way in bf16: 0.5 GB at a 128k
+    vocabulary and H 2048), which, with the smaller GEMMs, is what smaller
+    chunks cost."""
     rows = max(256, (budget_bytes // max(1, v * element_size)) // 256 * 256)
     return min(n, rows) if n > 0 else 1
 
@@ -196,7 +203,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_size,
-                fp8=None):
+                fp8=None, weight_grad_dtype=None):
         # fp8: (forward FP8 dtype, backward FP8 dtype) of the chunk GEMMs' operands, or None
         _log_gemm_backend(fp8)
         n = hidden.shape[0]
@@ -217,12 +224,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
         weight_dtype = weight.dtype
-        # the weight gradient sums over chunks in a float32 buffer; one chunk (the GEMM's own float32
-        # accumulation, rounded once) writes it in the weight's dtype directly where that is the GEMM's
-        # operand dtype (hidden's): no [V, H] float32 buffer and no conversion pass.  (A float32 weight's
-        # buffer is float32 either way.)
-        one_chunk = n <= chunk and weight_dtype == hidden.dtype
-        acc_dtype = weight_dtype if one_chunk else torch.float32
+        # the GEMMs sum the weight gradient over the chunks in the weight's dtype where that is their
+        # output dtype (hidden's), unless weight_grad_dtype asks for a float32 buffer: one chunk (the
+        # GEMM's own float32 sum, rounded once) writes the weight's dtype either way.  A weight of
+        # another dtype than hidden's sums in float32 and is converted at the end.
+        in_place = weight_dtype == hidden.dtype and (weight_grad_dtype is None or n <= chunk)
+        acc_dtype = weight_dtype if in_place else torch.float32
         grad_w = torch.empty(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_b else None
         ctx.bias_dtype = bias.dtype if bias is not None else None  # the gradient's dtype: the bias's own
@@ -267,7 +274,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = grad_w.mul_(g.to(grad_w.dtype))
         if grad_b is not None:
             grad_b = (grad_b * g).to(ctx.bias_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 class _ChunkGemms:
@@ -358,20 +365,22 @@ def _fp8_dtypes(recipe, hidden, weight):
 
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
-                         reduction="mean", chunk_size=None, fp8_recipe=None):
+                         reduction="mean", chunk_size=None, fp8_recipe=None, weight_grad_dtype=None):
     """Cross-entropy of ``hidden`` [N, H] @ ``weight`` [V, H].T (+ ``bias`` [V])
     against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
-    (default: 1 GiB of logits per chunk) so the full [N, V] logits are never
-    held.  ``reduction`` is 'mean' (over non-ignored tokens) or 'sum'.  The
-    GEMMs run in ``hidden``'s dtype: a weight of another dtype (an fp32 weight
-    under bf16 autocast) is cast for them, and its gradient is returned in its
-    own dtype.  The weight gradient accumulates in a float32 [V, H] buffer across chunks
-    (memory: 4 V H bytes while the forward runs); when all N rows fit in one
-    chunk and the weight has hidden's dtype (or float32) the GEMM writes it in
-    the weight's dtype instead (its own float32 sum rounded once, as the
-    buffer's final conversion would).  ``fp8_recipe`` (DelayedScaling or
-    Float8CurrentScaling; None: no FP8): the chunk GEMMs in FP8 (module
-    note)."""
+    (default: 256 MiB of logits per chunk, default_chunk_size) so the full
+    [N, V] logits are never held.  ``reduction`` is 'mean' (over non-ignored
+    tokens) or 'sum'.  The GEMMs run in ``hidden``'s dtype: a weight of
+    another dtype (an fp32 weight under bf16 autocast) is cast for them, and
+    its gradient is returned in its own dtype (summed in float32, converted
+    once).  ``weight_grad_dtype``: None (the default) sums the weight
+    gradient over the chunks in the weight's dtype, each chunk's GEMM adding
+    its float32 sum into it (one rounding per chunk, Liger-Kernel's default;
+    no memory beyond the gradient); torch.float32 sums it in a float32
+    [V, H] buffer (4 V H bytes while the forward runs) rounded once.  One
+    chunk writes it in the weight's dtype either way (one rounding).
+    ``fp8_recipe`` (DelayedScaling or Float8CurrentScaling; None: no FP8):
+    the chunk GEMMs in FP8 (module note)."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -397,8 +406,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     ignore_index = _as_int(op, "ignore_index", ignore_index)
     label_smoothing = _as_float(op, "label_smoothing", label_smoothing)
     fp8 = _fp8_dtypes(fp8_recipe, hidden, weight)
+    if weight_grad_dtype not in (None, torch.float32):
+        raise ValueError(f"{op}: argument 'weight_grad_dtype' must be None (the weight's dtype) or torch.float32, "
+                         f"got {weight_grad_dtype!r}")
     # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
     # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
     hidden, weight = (t if t.is_contiguous() else t.contiguous() for t in (hidden, weight))
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index,
-                                            label_smoothing, reduction, chunk_size, fp8)
+                                            label_smoothing, reduction, chunk_size, fp8, weight_grad_dtype)
