@@ -15,7 +15,7 @@ tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
 gpu_prebuilt s55 .s52/carry
 TAIL=8 run 90 cuda_tests python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 14 --timeout 120 \
   tests/test_fp8_any_rows.py tests/test_weight_cast_paths.py tests/test_linear.py tests/test_graphs_first_step.py \
-  tests/test_layernorm_mlp_fp8_recompute.py tests/test_scaling.py
+  tests/test_layernorm_mlp_fp8_recompute.py tests/test_scaling.py tests/test_cross_entropy.py
 pack
 TAIL=12 run 120 weight_cache bash -c "python3 benchmarks/bench_fp8_weight_transpose.py --rows llama1b,esm650 \
   --rounds 4 --out fp8_weight_cache_s56 && cp benchmarks/results/fp8_weight_cache_s56.json $LOG/"
