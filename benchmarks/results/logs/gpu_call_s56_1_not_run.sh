@@ -27,4 +27,7 @@ TAIL=30 run 150 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llam
 cp benchmarks/results/hf_accelerate_s56_4096_lean.json "$LOG/" 2>/dev/null
 pack
 head -n 40 "$LOG"/memory/*seqfuse_fp8_delayed_memory.txt "$LOG"/memory/*liger_memory.txt 2>/dev/null
+TAIL=16 run 100 accel8192 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 8192 --steps 10 \
+  --rows hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_recompute,liger --out hf_accelerate_s56_8192_lean
+cp benchmarks/results/hf_accelerate_s56_8192_lean.json "$LOG/" 2>/dev/null
 exit $status
