@@ -19,7 +19,7 @@ def frame(path, line, name):
 
 
 TORCH = frame("/usr/lib/python3/site-packages/torch/nn/functional.py", 10, "linear")
-FWD = frame("/repo/python/seqfuse/modules/linear.py", 120, "forward")
+LINEAR = frame("/repo/python/seqfuse/modules/linear.py", 120, "forward")
 CACHE = frame("/repo/python/seqfuse/quantization/gemm_quantizers.py", 300, "get")
 BENCH = frame("/repo/benchmarks/hf/bench_accelerate.py", 200, "step")
 
@@ -34,13 +34,13 @@ def free(addr, size, action="free_requested"):
 
 def test_peak_moment_and_groups():
     events = [
-        alloc(1, 64 * MiB, TORCH, FWD, BENCH),   # activation, kept to the peak
-        alloc(2, 32 * MiB, CACHE, FWD, BENCH),   # weight copy, kept to the peak
-        alloc(3, 50 * MiB, TORCH, FWD, BENCH),   # a temporary made and freed before the peak...
+        alloc(1, 64 * MiB, TORCH, LINEAR, BENCH),   # activation, kept to the peak
+        alloc(2, 32 * MiB, CACHE, LINEAR, BENCH),   # weight copy, kept to the peak
+        alloc(3, 50 * MiB, TORCH, LINEAR, BENCH),   # a temporary made and freed before the peak...
         free(3, 50 * MiB),
         free(3, 50 * MiB, "free_completed"),    # ...(its second free event counts nothing)
-        alloc(4, 100 * MiB, TORCH, FWD, BENCH),  # the peak: 1 + 2 + 4 + 5 = 64 + 32 + 100 + 8 MiB
-        alloc(5, 8 * MiB, CACHE, FWD, BENCH),
+        alloc(4, 100 * MiB, TORCH, LINEAR, BENCH),  # the peak: 1 + 2 + 4 + 5 = 64 + 32 + 100 + 8 MiB
+        alloc(5, 8 * MiB, CACHE, LINEAR, BENCH),
         free(4, 100 * MiB),
         free(1, 64 * MiB),
         alloc(6, 150 * MiB, TORCH, BENCH),       # after the peak: 32 + 8 + 150 = 190 < 204
@@ -50,9 +50,9 @@ def test_peak_moment_and_groups():
     assert b["recorded_peak_gib"] * 1024 == pytest.approx(204)
     assert b["peak_gib"] * 1024 == pytest.approx(1024 + 204) and b["baseline_gib"] == 1
     groups = {g["where"]: (g["count"], round(g["gib"] * 1024)) for g in b["groups"]}
-    fwd_bench = ("seqfuse/modules/linear.py:120 forward < benchmarks/hf/bench_accelerate.py:200 step")
-    cache = ("seqfuse/quantization/gemm_quantizers.py:300 get < " + fwd_bench)
-    assert groups == {fwd_bench: (2, 164), cache: (2, 40)}, groups
+    linear_bench = ("seqfuse/modules/linear.py:120 forward < benchmarks/hf/bench_accelerate.py:200 step")
+    cache = ("seqfuse/quantization/gemm_quantizers.py:300 get < " + linear_bench)
+    assert groups == {linear_bench: (2, 164), cache: (2, 40)}, groups
     assert [g["gib"] for g in b["groups"]] == sorted((g["gib"] for g in b["groups"]), reverse=True)
     text = memory_peak.format_breakdown("title", b, {"forward_peak": 1.5})
     assert "forward_peak 1.500" in text and cache in text and "1.199 GiB" in text
@@ -61,7 +61,7 @@ def test_peak_moment_and_groups():
 def test_peak_at_the_end_and_frees_by_completion_alone():
     """A history whose highest total is its last event (no free after it),
     and frees recorded only as free_completed."""
-    events = [alloc(1, 10 * MiB, FWD), free(1, 10 * MiB, "free_completed"), alloc(2, 4 * MiB, FWD),
+    events = [alloc(1, 10 * MiB, LINEAR), free(1, 10 * MiB, "free_completed"), alloc(2, 4 * MiB, LINEAR),
               alloc(3, 7 * MiB, TORCH)]
     b = memory_peak.breakdown({"device_traces": [events]})
     assert b["recorded_peak_gib"] * 1024 == pytest.approx(11) and b["peak_event"] == 3
