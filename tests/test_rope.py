@@ -172,6 +172,8 @@ def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
     got = split_qkv_rope(mixed, freqs, heads, kv_heads, d)
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
+        # no output keeps mixed's storage alive (what the attention saves of q, k and v holds none of it)
+        assert g.untyped_storage().data_ptr() != mixed.untyped_storage().data_ptr()
     # gradients laid out as attention's backward gives them ([b, heads, s, d] seen as bshd: not contiguous)
     weights = [torch.randn(w.shape[0], w.shape[2], w.shape[1], w.shape[3], dtype=w.dtype, device=device).transpose(1, 2)
                for w in want]

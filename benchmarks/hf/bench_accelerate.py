@@ -304,7 +304,7 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        model = None
+        model = step = None
         try:
             model, note = prepare(row, base, family, tuple(ids.shape))
             convert_peak = float("nan")
@@ -324,7 +324,7 @@ def main(argv=None):
 
             traceback.print_exc()
             res.add(row=row, error=error_text(e))
-            del model
+            model = step = None
             continue
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device.type == "cuda" else float("nan")
         extra = {}
@@ -346,7 +346,7 @@ def main(argv=None):
         res.add(row=row, tokens_per_s=tokens / (ms / 1e3), ms_per_step=ms, peak_gib=peak,
                 convert_peak_gib=convert_peak, loss0=loss0,
                 wall_s=time.perf_counter() - t0, note=note, **extra)
-        del model
+        model = step = None  # (the step holds the row's optimizer and model: gone before the next row's baseline)
     by = {r["row"]: r for r in res.rows if "tokens_per_s" in r}
     base_row = by.get("hf_eager")
     if base_row:

@@ -595,6 +595,8 @@ class SeqfuseDecoderLayer(FusedLayer):
         else:
             q, k, v = torch.split(mixed, self._split_sizes, dim=-1)
             q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+            if mixed.requires_grad:  # what the attention keeps of v then holds none of mixed (split_qkv_rope)
+                v = v.contiguous()
             if "q_norm" in self._modules:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rope(q, k, ang, position_embeddings)

@@ -86,7 +86,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
         qk = _rope.rope_forward(mixed[..., :qk_width].view(b, s, heads + kv_heads, head_dim), freqs, "bshd")
         ctx.save_for_backward(freqs)
         ctx.dims = (b, s, heads, kv_heads, head_dim)
-        v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim)
+        v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim).contiguous()  # (not a view: split_qkv_rope)
         return qk[:, :, :heads], qk[:, :, heads:], v
 
     @staticmethod
@@ -121,9 +121,13 @@ def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_head
     launch forward (q and k are neighbours in each token's row) and with the
     gradients written straight into mixed's gradient (no concatenation).
     q and k are views of one [b, s, heads + kv_heads, head_dim] tensor, v a
-    view of ``mixed``; autograd refuses in-place changes to them (views made
-    inside a Function), and a cache that keeps k keeps that whole tensor.
-    The backward is not differentiable again (create_graph)."""
+    copy of mixed's v columns (contiguous [b, s, kv_heads, head_dim]): what
+    the attention keeps for its backward then holds none of ``mixed``, which
+    is freed after the forward (a view of it would keep all of it: at the
+    Llama 1B shape 16 MB of q and k columns a layer beside the rotated
+    ones, at 4,096 tokens); autograd refuses in-place changes to q and k
+    (views made inside a Function), and a cache that keeps k keeps that
+    whole tensor.  The backward is not differentiable again (create_graph)."""
     if mixed.dim() != 3 or mixed.shape[-1] != (heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"split_qkv_rope: argument 'mixed' must be [b, s, (heads + 2 * kv_heads) * head_dim] = "
                          f"[b, s, {(heads + 2 * kv_heads) * head_dim}], got {tuple(mixed.shape)}")
