@@ -48,24 +48,26 @@ def test_bench_accelerate_fused_adamw_row(tmp_path):
     assert "FusedAdamW" in doc["optimizer"] and "torch.optim.AdamW" in doc["optimizer"]
 
 
-def test_bench_accelerate_fp8_recompute_row(tmp_path):
-    """seqfuse_fp8_delayed_recompute is the FP8 delayed row with
-    recompute_activation=True: the same forward (the same first loss), the
-    note saying it fused every layer."""
+def test_bench_accelerate_keep_rows(tmp_path):
+    """A _keep row is its row with recompute_activation=False: the same
+    forward (the same first loss); the fused MLPs make their activation
+    again in the backward in the plain rows (accelerate()'s default, FP8
+    too) and keep it in the _keep rows."""
     out = str(tmp_path / "acc_fp8.json")
     bench_accelerate.main(["--shape", "tiny", "--device", "cpu", "--seq", "32", "--rows",
-                           "seqfuse_fp8_delayed,seqfuse_fp8_delayed_recompute", "--warmup", "1", "--steps", "1",
+                           "seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep", "--warmup", "1", "--steps", "1",
                            "--out", out])
     with open(out) as f:
         doc = json.load(f)
     rows = {r["row"]: r for r in doc["rows"]}
     assert all("error" not in r for r in rows.values()), doc["rows"]
-    assert rows["seqfuse_fp8_delayed_recompute"]["loss0"] == rows["seqfuse_fp8_delayed"]["loss0"]
-    assert rows["seqfuse_fp8_delayed_recompute"]["note"].startswith("fused 2 layers")
+    assert rows["seqfuse_fp8_delayed_keep"]["loss0"] == rows["seqfuse_fp8_delayed"]["loss0"]
+    assert rows["seqfuse_fp8_delayed_keep"]["note"].startswith("fused 2 layers")
     from seqfuse.modules.layernorm_mlp import LayerNormMLP
 
     base, family = bench_accelerate.build_base("tiny", None, torch.device("cpu"))
-    for row, want in (("seqfuse_fp8_delayed", False), ("seqfuse_fp8_delayed_recompute", True)):
+    for row, want in (("seqfuse_fp8_delayed", True), ("seqfuse_fp8_delayed_keep", False),
+                      ("seqfuse_bf16", True), ("seqfuse_bf16_keep", False), ("seqfuse_fp8_delayed_head_keep", False)):
         mlps = [m for m in bench_accelerate.prepare(row, base, family)[0].modules() if isinstance(m, LayerNormMLP)]
         assert len(mlps) == 2 and all(m.recompute_activation is want for m in mlps), row
 

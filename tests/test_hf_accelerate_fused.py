@@ -665,16 +665,16 @@ def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
 
 @needs_fp8
 def test_recompute_activation_under_an_fp8_recipe():
-    """Under accelerate()'s FP8 recipe the default leaves the fused MLPs
-    keeping the activation's FP8 copy (the bf16 default's trade not measured
-    under FP8); True makes it again in the backward: the same loss and
-    gradients bit for bit, one byte per [tokens, intermediate] element less
-    kept per layer (its FP8 transposed copy), the report says so."""
+    """Under accelerate()'s FP8 recipe the default (as without one) makes
+    the fused MLPs' activation FP8 copy again in the backward; False keeps
+    it: the same loss and gradients bit for bit, one byte per [tokens,
+    intermediate] element less kept per layer by the default (its FP8
+    transposed copy), the report says so."""
     from seqfuse.common.recipe import DelayedScaling
 
     ids, mask, labels = batch()
-    _, plain, kept = accelerated("llama", torch.bfloat16, recipe=DelayedScaling())
-    _, lean, report = accelerated("llama", torch.bfloat16, recipe=DelayedScaling(), recompute_activation=True)
+    _, plain, kept = accelerated("llama", torch.bfloat16, recipe=DelayedScaling(), recompute_activation=False)
+    _, lean, report = accelerated("llama", torch.bfloat16, recipe=DelayedScaling())
     assert not any(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
     assert all(layer.mlp_fused.recompute_activation for layer in lean.model.layers)
     assert "made again in the backward" in str(report) and "made again in the backward" not in str(kept)
