@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 56, call 2: after call 1's memory breakdown -- the split QKV's v copied out (the attention keeps none of
+# the QKV output), recompute_activation on by default under FP8, the loss's 256 MiB chunks -- accelerate()'s rows
+# at 4,096 and 8,192 tokens with their peers and each row's memory at its peak; linear_cross_entropy's cost by
+# chunk size and sum dtype beside Liger-Kernel's; the cuda tests of what changed.
+# Make .s54/carry/pkg_head.tar.xz: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz.
+# Carry .whl, .s52/carry and .s54/carry:
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s56_2_not_run.sh
+set -uo pipefail
+source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
+tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
+gpu_prebuilt s56 .s52/carry
+A=hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep,seqfuse_fp8_delayed_head_fused_adamw
+A=$A,seqfuse_fp8_delayed_head_keep_fused_adamw,liger
+TAIL=40 run 200 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
+  --rows $A --out hf_accelerate_s56_4096_call2 --memory "$LOG/memory"
+cp benchmarks/results/hf_accelerate_s56_4096_call2.json "$LOG/" 2>/dev/null
+pack
+B=hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep,seqfuse_fp8_delayed_head_keep_fused_adamw,liger
+TAIL=30 run 120 accel8192 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 8192 --steps 10 \
+  --rows $B --out hf_accelerate_s56_8192_call2
+cp benchmarks/results/hf_accelerate_s56_8192_call2.json "$LOG/" 2>/dev/null
+pack
+TAIL=25 run 90 linear_ce bash -c "cd benchmarks && python3 bench_linear_ce_chunks.py --tokens 4096,8192 \
+  --chunks 0,2048,1024,512 --out linear_ce_chunks_s56 && cp results/linear_ce_chunks_s56.json $LOG/"
+pack
+TAIL=8 run 90 cuda_tests python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 14 --timeout 120 \
+  tests/test_rope.py tests/test_hf_accelerate_fused.py tests/test_cross_entropy.py
+exit $status
