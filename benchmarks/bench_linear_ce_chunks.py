@@ -3,8 +3,9 @@ linear_cross_entropy at a language model's LM head, and what they save.
 
 Why: the chunked loss computes its gradients in the forward, at the end of
 the model's forward, where the saved activations peak; one chunk's logits
-and (with more than one chunk) a float32 weight-gradient buffer are then
-the loss's share of the step's peak memory.  Smaller chunks hold less and
+(and, with weight_grad_dtype=torch.float32 and more than one chunk, a
+float32 weight-gradient buffer) are then the loss's share of the step's
+peak memory.  Smaller chunks hold less and
 run more, smaller GEMMs, each adding its weight gradient into the running
 sum (a read and a write of [V, H] in the sum's dtype).  This times, at the
 Llama 3.2 1B head (H 2048, V 128,256; ``--hidden`` / ``--vocab``) and

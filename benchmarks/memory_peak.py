@@ -13,12 +13,17 @@ decides which memory work pays.  Two measurements answer it:
 - ``record`` + ``breakdown``: the CUDA caching allocator's history over a few
   steps (torch.cuda.memory._record_memory_history with Python stacks),
   replayed event by event (an ``alloc`` adds its size, a ``free_requested``
-  takes it away, as torch's own allocated-bytes counter does) to find the
-  moment of the highest total, and the allocations live at that moment
+  takes it away, as torch's allocated-bytes counter moves; the history
+  records the requested sizes, which the counter rounds up to 512-byte
+  blocks, so the replay's total runs a little under the counter's) to find
+  the moment of the highest total, and the allocations live at that moment
   grouped by the Python frames that made them (the innermost frames in
   seqfuse, transformers, Liger-Kernel or the benchmarks).  Allocations made
   before the recording began (the weights, the optimizer state) are one
-  ``baseline`` figure.
+  ``baseline`` figure; ``record`` also returns the counter's own peak over
+  the recording, which the summary prints beside the replay's, and the
+  summary says when the history reached its entry limit (older events
+  dropped: the replay then starts late).
 
 ``breakdown`` and ``format_breakdown`` work on plain snapshot dicts (torch's
 documented format: device_traces of action / addr / size / frames), so they
@@ -61,12 +66,15 @@ def phase_peaks(forward, backward, update, device):
 
 
 def record(run, device, max_entries=400_000):
-    """The allocator's snapshot after ``run()`` ran with its history recorded
-    (Python stacks), and the bytes allocated when the recording began."""
+    """(the allocator's snapshot after ``run()`` ran with its history
+    recorded (Python stacks), the bytes allocated when the recording began,
+    the allocated-bytes counter's peak over the recording).  The snapshot
+    carries ``max_entries`` for breakdown's truncation check."""
     import torch
 
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python", device=device)
     try:
         run()
@@ -74,7 +82,8 @@ def record(run, device, max_entries=400_000):
         snap = torch.cuda.memory._snapshot(device)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None, device=device)
-    return snap, baseline
+    snap["max_entries"] = max_entries
+    return snap, baseline, torch.cuda.max_memory_allocated(device)
 
 
 def where(frames):
@@ -130,14 +139,21 @@ def breakdown(snapshot, baseline=0, device_index=0, top=30):
     if rest:
         rows.append({"where": f"({len(rest)} more places)", "count": sum(n for _, (n, _) in rest),
                      "gib": sum(b for _, (_, b) in rest) / GiB})
+    limit = snapshot.get("max_entries")
     return {"peak_gib": (baseline + peak) / GiB, "baseline_gib": baseline / GiB, "recorded_peak_gib": peak / GiB,
-            "peak_event": peak_at, "events": len(events), "groups": rows}
+            "peak_event": peak_at, "events": len(events), "groups": rows,
+            "truncated": limit is not None and len(events) >= limit}
 
 
-def format_breakdown(title, b, phases=None):
+def format_breakdown(title, b, phases=None, counter_peak_gib=None):
     lines = [title, f"peak {b['peak_gib']:.3f} GiB allocated = {b['baseline_gib']:.3f} GiB from before the "
                     f"recording (weights, optimizer state, caches) + {b['recorded_peak_gib']:.3f} GiB made in it; "
                     f"reached at event {b['peak_event']} of {b['events']}"]
+    if counter_peak_gib is not None:
+        lines.append(f"the allocated-bytes counter's peak over the recording: {counter_peak_gib:.3f} GiB "
+                     "(block-rounded sizes; the replay sums the requested ones)")
+    if b.get("truncated"):
+        lines.append("the history reached its entry limit: older events were dropped and the replay starts late")
     if phases:
         lines.append("one more step by phase (GiB allocated): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     lines.append(f"{'GiB':>8s} {'count':>6s}  live at the peak, made at (innermost project frames first)")

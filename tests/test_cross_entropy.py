@@ -205,10 +205,20 @@ def test_linear_cross_entropy_one_chunk_matches_chunks(hdtype, wdtype, bias, see
     torch.testing.assert_close(grads[0][1].double(), grads[2][1].double(), rtol=2 ** -7, atol=1e-6)
 
 
-def test_linear_cross_entropy_weight_grad_dtype_bad():
-    hidden, weight = torch.randn(4, 8), torch.randn(6, 8)
-    with pytest.raises(ValueError, match="'weight_grad_dtype' must be None .* or torch.float32, got torch.bfloat16"):
-        linear_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.int64), weight_grad_dtype=torch.bfloat16)
+def test_linear_cross_entropy_weight_grad_dtype_rules(seed):
+    """weight_grad_dtype: the weight's own dtype is the default's sum (the
+    same bits as None); another dtype is refused, naming the argument."""
+    hidden, weight = torch.randn(40, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+    labels = make_labels(40, 6)
+    grads = []
+    for acc in (None, torch.bfloat16):
+        w = weight.clone().requires_grad_(True)
+        linear_cross_entropy(hidden, w, labels, chunk_size=16, weight_grad_dtype=acc).backward()
+        grads.append(w.grad)
+    assert torch.equal(grads[0], grads[1])
+    with pytest.raises(ValueError, match=r"'weight_grad_dtype' must be None or the weight's dtype \(torch.float32\), "
+                                         r"or torch.float32, got torch.bfloat16"):
+        linear_cross_entropy(hidden.float(), weight.float(), labels, weight_grad_dtype=torch.bfloat16)
 
 
 def test_linear_cross_entropy_no_tokens():
@@ -363,7 +373,9 @@ def test_cuda_linear_cross_entropy(dtype, chunk, acc, seed):
         e = hidden.element_size()
         assert peak <= min(n, chunk or n) * v * e + v * h * e + n * h * e + (8 << 20), peak
     elif acc is torch.float32 and dtype != torch.float32:
-        assert peak > v * h * 4, peak  # the float32 buffer it asked for
+        # the float32 buffer it asked for, beside a chunk's logits and the hidden states' gradient
+        e = hidden.element_size()
+        assert peak >= min(n, chunk or n) * v * e + v * h * 4 + n * h * e, peak
     loss.backward()
     hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
     ref = F.cross_entropy(hd @ wd.t(), labels)
@@ -422,12 +434,13 @@ def _fp8_round(x, fp8_dtype, bound=None):
     return (x * s).to(fp8_dtype).double() / s
 
 
-def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
+def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk, sum_dtype=torch.float64):
     """linear_cross_entropy's FP8 computation in float64 torch: per chunk the
     hidden states (with their own amax) and the logits' gradient (rounded to
     the GEMMs' output dtype first; with its bound, 1 / tokens) cast, the
-    weight once (its own amax); (loss, dhidden, dweight, dbias) of the mean
-    loss."""
+    weight once (its own amax); the weight gradient's running sum rounded to
+    ``sum_dtype`` after each chunk (the GEMMs adding into it); (loss,
+    dhidden, dweight, dbias) of the mean loss."""
     fd, bd = fmt.forward_dtype, fmt.backward_dtype
     wq = _fp8_round(weight.double(), fd)
     count = (labels != -100).sum()
@@ -441,7 +454,7 @@ def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
         db = db + lg.grad.sum(0)
         gq = _fp8_round(lg.grad.to(hidden.dtype).double(), bd, 1.0 / count.double())
         dh.append(gq @ wq)
-        dw = dw + gq.t() @ hq
+        dw = (dw + gq.t() @ hq).to(sum_dtype).double()
     return loss, torch.cat(dh), dw, db
 
 
@@ -451,7 +464,8 @@ def _fp8_linear_ce_emulated(hidden, weight, bias, labels, fmt, chunk):
 @pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed):
+@pytest.mark.parametrize("acc", [None, torch.float32])
+def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, acc, seed):
     """fp8_recipe: the chunk GEMMs over FP8 operands (the weight and hidden
     states scaled from their own amax, the logits' gradient from its bound).
     Equal to the same computation emulated in float64: bf16 rounding of the
@@ -461,7 +475,9 @@ def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed
     largest elements dominate these small shapes' norms (the worst of 1,800
     seeded cases came to 3.7e-2, the usual 1.7e-3).  Within FP8's distance
     of the exact float64 result, and at least three times the high-precision
-    route's distance from it (a route that did not quantize fails)."""
+    route's distance from it (a route that did not quantize fails).  The
+    weight gradient's sum over the chunks: in the weight's dtype (``acc``
+    None, the emulation rounding it after each chunk) or in float32."""
     from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling, Format
 
     fmt = Format[fmt]
@@ -470,10 +486,12 @@ def test_linear_cross_entropy_fp8(device, n, h, v, chunk, fmt, bias, dtype, seed
     weight = (torch.randn(v, h, device=device) * 0.3).to(dtype).requires_grad_(True)
     b = (torch.randn(v, device=device) * 0.1).to(dtype).requires_grad_(True) if bias else None
     labels = make_labels(n, v, device=device)
-    loss = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk, fp8_recipe=recipe)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk, fp8_recipe=recipe,
+                                weight_grad_dtype=acc)
     loss.backward()
-    e_loss, e_dh, e_dw, e_db = _fp8_linear_ce_emulated(hidden.detach(), weight.detach(), None if b is None else b.detach(),
-                                                 labels, fmt, chunk or n)
+    e_loss, e_dh, e_dw, e_db = _fp8_linear_ce_emulated(
+        hidden.detach(), weight.detach(), None if b is None else b.detach(), labels, fmt, chunk or n,
+        dtype if acc is None else torch.float32)
     assert_close_rel(loss, e_loss, torch.bfloat16)
     assert_close_rel(hidden.grad, e_dh, torch.bfloat16, factor=6)
     assert_close_rel(weight.grad, e_dw, torch.bfloat16, factor=6)

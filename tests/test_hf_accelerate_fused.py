@@ -663,6 +663,41 @@ def test_recompute_activation_same_bits_one_ffn_tensor_less(name, dtype):
     assert again.fused == [] and all(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_cuda_attention_keeps_none_of_the_qkv_output(name):
+    """What autograd saves in a fused layer's training forward holds none of
+    the QKV GEMM's output: v is copied out of it (split_qkv_rope for Llama,
+    the torch.split path under Qwen3's q/k norms), so the attention's saved
+    v (cuDNN's route on an unpadded bf16 batch saves the tensors it is
+    given) does not keep the whole [tokens, (heads + 2 kv_heads) d] output
+    alive."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = make(name, torch.bfloat16).cuda()
+    accelerate(model)
+    ids = batch()[0].cuda()
+    qkv_out = []
+
+    def note_output(module, args, out):
+        qkv_out.append((out[0] if isinstance(out, tuple) else out).untyped_storage().data_ptr())
+
+    hooks = [layer.qkv.register_forward_hook(note_output) for layer in model.model.layers]
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, labels=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    assert len(qkv_out) == len(model.model.layers) and not saved & set(qkv_out)
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "qkv" in n)
+
+
 @needs_fp8
 def test_recompute_activation_under_an_fp8_recipe():
     """Under accelerate()'s FP8 recipe the default (as without one) makes

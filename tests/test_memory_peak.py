@@ -80,3 +80,13 @@ def test_no_events():
     b = memory_peak.breakdown({"device_traces": []}, baseline=MiB)
     assert b["recorded_peak_gib"] == 0 and b["peak_event"] == -1 and b["groups"] == []
     assert memory_peak.where([]) == "?"
+
+
+def test_truncated_history_and_the_counters_peak_are_said():
+    events = [alloc(1, MiB, LINEAR), alloc(2, MiB, LINEAR)]
+    full = memory_peak.breakdown({"device_traces": [events], "max_entries": 2})
+    room = memory_peak.breakdown({"device_traces": [events], "max_entries": 3})
+    assert full["truncated"] and not room["truncated"]
+    text = memory_peak.format_breakdown("t", full, counter_peak_gib=0.5)
+    assert "entry limit" in text and "counter's peak over the recording: 0.500 GiB" in text
+    assert "entry limit" not in memory_peak.format_breakdown("t", room)

@@ -174,6 +174,9 @@ def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
         assert g.shape == w.shape and torch.equal(g, w)
         # no output keeps mixed's storage alive (what the attention saves of q, k and v holds none of it)
         assert g.untyped_storage().data_ptr() != mixed.untyped_storage().data_ptr()
+    with torch.no_grad():  # no backward to keep anything for: v stays a view of mixed (no copy)
+        v = split_qkv_rope(mixed, freqs, heads, kv_heads, d)[2]
+        assert v.untyped_storage().data_ptr() == mixed.untyped_storage().data_ptr() and torch.equal(v, want[2])
     # gradients laid out as attention's backward gives them ([b, heads, s, d] seen as bshd: not contiguous)
     weights = [torch.randn(w.shape[0], w.shape[2], w.shape[1], w.shape[3], dtype=w.dtype, device=device).transpose(1, 2)
                for w in want]

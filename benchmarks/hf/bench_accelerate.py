@@ -20,7 +20,9 @@ transformers' module-level rotary function is global):
   <seqfuse row>_graphed  that row, then seqfuse.hf.graph_layers(model, batch,
                        seq): the fused layers' forward and backward replayed
                        as CUDA graphs (train mode only)
-  <seqfuse row>_keep   that row with accelerate(..., recompute_activation=False):
+  seqfuse_bf16_keep, seqfuse_fp8_delayed_keep, seqfuse_fp8_delayed_head_keep
+  (and _fused_adamw after it)
+                       that row with accelerate(..., recompute_activation=False):
                        the MLPs keep their gated activation (in bf16 one
                        [tokens, FFN] tensor a layer more kept, under FP8 its
                        transposed FP8 copy; one elementwise pass less)
@@ -331,15 +333,16 @@ def main(argv=None):
             extra["memory_phases_gib"] = phases
             if args.memory:
                 os.makedirs(args.memory, exist_ok=True)
-                snap, at = memory_peak.record(lambda: [step() for _ in range(2)], device)
+                snap, at, counter = memory_peak.record(lambda: [step() for _ in range(2)], device)
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 b = memory_peak.breakdown(snap, at - before, index)
-                path = os.path.join(args.memory, f"{out}_{row}_memory.txt")
-                with open(path, "w") as f:
+                name = f"{out}_{row}_memory.txt"
+                with open(os.path.join(args.memory, name), "w") as f:
                     f.write(memory_peak.format_breakdown(
                         f"{row}: {args.shape}, {args.batch} x {args.seq} tokens, two training steps; GiB beyond "
-                        f"what was allocated before the row", b, phases))
-                extra["memory_breakdown"] = {k: b[k] for k in ("peak_gib", "baseline_gib")} | {"file": path}
+                        f"what was allocated before the row", b, phases, (counter - before) / 2**30))
+                extra["memory_breakdown"] = {k: b[k] for k in ("peak_gib", "baseline_gib", "truncated")} | {
+                    "counter_peak_gib": (counter - before) / 2**30, "file": name}
                 del snap
         res.add(row=row, tokens_per_s=tokens / (ms / 1e3), ms_per_step=ms, peak_gib=peak,
                 convert_peak_gib=convert_peak, loss0=loss0,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Written in session 55 (its call 2, never run: no machine, then no device time): the FP8 weight cache
+# Written in session 55, run in session 56 (call 1, on an H100, at 41b645f: logs/s56_call1_41b645f/): the FP8 weight cache
 # keeping W^T alone in training (the forward operand in a transient buffer: set_weight_rowwise_cache, the new
 # default) on a GPU -- the cuda tests of the FP8 modules (the new
 # ones in tests/test_fp8_any_rows.py included), bench_fp8_weight_transpose.py's three cache layouts at the Llama 1B
@@ -8,7 +8,7 @@
 # row's memory by phase of a step and what is live at its peak (bench_accelerate.py --memory, benchmarks/memory_peak.py).
 # Make .s54/carry/pkg_head.tar.xz: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz.
 # Carry .whl, .s52/carry and .s54/carry:
-#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s56_1_not_run.sh
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s56_1.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"

@@ -17,9 +17,10 @@
   The chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on the GPU, the
   reference GEMM on the CPU): the logits GEMM with the bias in its epilogue,
   and the weight gradient summed across chunks by the GEMM itself (beta =
-  1): in the weight's dtype by default (each chunk's float32 sum rounded
-  into it, as Liger-Kernel's default does: no [V, H] buffer beyond the
-  gradient), or with ``weight_grad_dtype=torch.float32`` in a float32 buffer
+  1): in the weight's dtype by default where that is the GEMMs' (hidden's)
+  dtype (each chunk's float32 sum rounded into it, as Liger-Kernel's default
+  does: no [V, H] buffer beyond the gradient; a weight of another dtype sums
+  in float32), or with ``weight_grad_dtype=torch.float32`` in a float32 buffer
   rounded to the weight's dtype once at the end (4 V H bytes more while the
   forward runs: 1 GiB at a 128k vocabulary and H 2048).  The first call
   logs which GEMM runs.
@@ -181,7 +182,8 @@ def _log_gemm_backend(fp8=None):
         _gemm_logged = True
         _log.info("linear_cross_entropy: chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt on CUDA, "
                   "the reference GEMM on the CPU)%s; weight gradient summed over chunks by the GEMMs in the "
-                  "weight's dtype (weight_grad_dtype=torch.float32: in a float32 buffer)",
+                  "weight's dtype where it is hidden's, else and with weight_grad_dtype=torch.float32 in a "
+                  "float32 buffer",
                   "" if fp8 is None else f" in FP8 ({fp8[0]} forward, {fp8[1]} gradients, current scaling)")
 
 
@@ -373,12 +375,13 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     tokens) or 'sum'.  The GEMMs run in ``hidden``'s dtype: a weight of
     another dtype (an fp32 weight under bf16 autocast) is cast for them, and
     its gradient is returned in its own dtype (summed in float32, converted
-    once).  ``weight_grad_dtype``: None (the default) sums the weight
-    gradient over the chunks in the weight's dtype, each chunk's GEMM adding
-    its float32 sum into it (one rounding per chunk, Liger-Kernel's default;
-    no memory beyond the gradient); torch.float32 sums it in a float32
-    [V, H] buffer (4 V H bytes while the forward runs) rounded once.  One
-    chunk writes it in the weight's dtype either way (one rounding).
+    once).  ``weight_grad_dtype``: None (the default) or the weight's dtype
+    sums the weight gradient over the chunks in the weight's dtype, each
+    chunk's GEMM adding its float32 sum into it (one rounding per chunk,
+    Liger-Kernel's default; no memory beyond the gradient); torch.float32
+    sums it in a float32 [V, H] buffer (4 V H bytes while the forward runs)
+    rounded once.  One chunk writes it in the weight's dtype either way (one
+    rounding); a weight of another dtype than hidden's sums in float32.
     ``fp8_recipe`` (DelayedScaling or Float8CurrentScaling; None: no FP8):
     the chunk GEMMs in FP8 (module note)."""
     _check_reduction(reduction, ("mean", "sum"))
@@ -406,9 +409,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     ignore_index = _as_int(op, "ignore_index", ignore_index)
     label_smoothing = _as_float(op, "label_smoothing", label_smoothing)
     fp8 = _fp8_dtypes(fp8_recipe, hidden, weight)
+    if weight_grad_dtype == weight.dtype and weight.dtype != torch.float32:
+        weight_grad_dtype = None  # (the default's sum, named)
     if weight_grad_dtype not in (None, torch.float32):
-        raise ValueError(f"{op}: argument 'weight_grad_dtype' must be None (the weight's dtype) or torch.float32, "
-                         f"got {weight_grad_dtype!r}")
+        raise ValueError(f"{op}: argument 'weight_grad_dtype' must be None or the weight's dtype ({weight.dtype}), "
+                         f"or torch.float32, got {weight_grad_dtype!r}")
     # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
     # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
     hidden, weight = (t if t.is_contiguous() else t.contiguous() for t in (hidden, weight))

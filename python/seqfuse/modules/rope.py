@@ -76,7 +76,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
     gradients written into one [b, s, width] tensor."""
 
     @staticmethod
-    def forward(ctx, mixed, freqs, heads, kv_heads, head_dim):
+    def forward(ctx, mixed, freqs, heads, kv_heads, head_dim, copy_v):
         ctx.set_materialize_grads(False)  # an output without a gradient arrives as None: no rotation of zeros
         b, s, width = mixed.shape
         qk_width = (heads + kv_heads) * head_dim
@@ -86,7 +86,9 @@ class _SplitQkvRoPE(torch.autograd.Function):
         qk = _rope.rope_forward(mixed[..., :qk_width].view(b, s, heads + kv_heads, head_dim), freqs, "bshd")
         ctx.save_for_backward(freqs)
         ctx.dims = (b, s, heads, kv_heads, head_dim)
-        v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim).contiguous()  # (not a view: split_qkv_rope)
+        v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim)
+        if copy_v:  # (what the attention saves of v then keeps none of mixed: split_qkv_rope)
+            v = v.contiguous()
         return qk[:, :, :heads], qk[:, :, heads:], v
 
     @staticmethod
@@ -107,7 +109,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
                 _rope.rope_backward(g, freqs, "bshd", out=dst)
             else:
                 dst.copy_(g)
-        return dmixed, None, None, None, None
+        return dmixed, None, None, None, None, None
 
 
 def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_heads: int,
@@ -120,18 +122,21 @@ def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_head
     torch.split + apply_rotary_pos_emb on q and on k compute, in one RoPE
     launch forward (q and k are neighbours in each token's row) and with the
     gradients written straight into mixed's gradient (no concatenation).
-    q and k are views of one [b, s, heads + kv_heads, head_dim] tensor, v a
-    copy of mixed's v columns (contiguous [b, s, kv_heads, head_dim]): what
-    the attention keeps for its backward then holds none of ``mixed``, which
-    is freed after the forward (a view of it would keep all of it: at the
-    Llama 1B shape 16 MB of q and k columns a layer beside the rotated
-    ones, at 4,096 tokens); autograd refuses in-place changes to q and k
-    (views made inside a Function), and a cache that keeps k keeps that
-    whole tensor.  The backward is not differentiable again (create_graph)."""
+    q and k are views of one [b, s, heads + kv_heads, head_dim] tensor.
+    Where a backward follows (grad mode on, ``mixed`` requiring grad) v is a
+    copy of mixed's v columns (contiguous [b, s, kv_heads, head_dim]), so
+    what the attention keeps for its backward holds none of ``mixed``, which
+    is freed after the forward (a view would keep all of it: at the Llama 1B
+    shape and 4,096 tokens 20 MiB of q and k columns a layer beside the
+    rotated ones); else a view of ``mixed`` (no copy).  Autograd refuses
+    in-place changes to q and k (views made inside a Function), and a cache
+    that keeps k keeps that whole tensor.  The backward is not
+    differentiable again (create_graph)."""
     if mixed.dim() != 3 or mixed.shape[-1] != (heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"split_qkv_rope: argument 'mixed' must be [b, s, (heads + 2 * kv_heads) * head_dim] = "
                          f"[b, s, {(heads + 2 * kv_heads) * head_dim}], got {tuple(mixed.shape)}")
-    return _SplitQkvRoPE.apply(mixed, freqs, heads, kv_heads, head_dim)
+    copy_v = torch.is_grad_enabled() and mixed.requires_grad
+    return _SplitQkvRoPE.apply(mixed, freqs, heads, kv_heads, head_dim, copy_v)
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
