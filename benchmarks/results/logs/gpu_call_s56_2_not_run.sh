@@ -24,10 +24,6 @@ pack
 TAIL=25 run 90 linear_ce bash -c "cd benchmarks && python3 bench_linear_ce_chunks.py --tokens 4096,8192 \
   --chunks 0,2048,1024,512 --out linear_ce_chunks_s56 && cp results/linear_ce_chunks_s56.json $LOG/"
 pack
-TAIL=30 run 90 profile_fp8 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 5 \
-  --rows seqfuse_fp8_delayed,seqfuse_bf16 --out hf_accelerate_s56_profile --profile "$LOG/profile"
-head -n 45 "$LOG"/profile/*seqfuse_fp8_delayed_profile.txt 2>/dev/null
-pack
 TAIL=8 run 90 cuda_tests python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 14 --timeout 120 \
   tests/test_rope.py tests/test_hf_accelerate_fused.py tests/test_cross_entropy.py
 exit $status
