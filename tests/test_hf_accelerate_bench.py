@@ -72,6 +72,24 @@ def test_bench_accelerate_keep_rows(tmp_path):
         assert len(mlps) == 2 and all(m.recompute_activation is want for m in mlps), row
 
 
+def test_bench_accelerate_torchao_row_converts_every_linear_but_the_head():
+    """torchao_float8 (the FP8 peer): torchao's Float8Linear in place of
+    every decoder Linear, the LM head left in high precision, the layers
+    compiled; where torchao is missing the row says why instead."""
+    base, family = bench_accelerate.build_base("tiny", None, torch.device("cpu"))
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="torchao"):
+            bench_accelerate.prepare("torchao_float8", base, family)
+        return
+    model, note = bench_accelerate.prepare("torchao_float8", base, family)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds.pop("lm_head") == "Linear" and set(kinds.values()) == {"Float8Linear"}, kinds
+    assert len(kinds) == 2 * 7 and note.startswith("torchao.float8.convert_to_float8_training: 14 Linears")
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+
+
 def test_fused_adamw_like_torch_is_torch_adamws_update():
     """peers.optimizers.fused_adamw_like_torch steps bf16 parameters as
     torch's AdamW does (the rows stepping either differ only in the kernel):

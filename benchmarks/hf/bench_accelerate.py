@@ -31,6 +31,14 @@ transformers' module-level rotary function is global):
                        master: peers/optimizers.py) instead of torch's fused
                        AdamW, which every other row steps: the two rows
                        side by side say what the optimizer's kernel is worth
+  torchao_float8        torchao's FP8 training (torchao.float8.convert_to_float8_training,
+                       its default tensorwise dynamic scaling) on every
+                       nn.Linear but the LM head (as seqfuse's FP8 rows keep
+                       the head in bf16), every decoder (encoder) layer
+                       torch.compile'd as hf_compile's (torchao's FP8 casts
+                       are fused by compile): the FP8 peer a competent user
+                       reaches without seqfuse; its wheel carried in .whl
+                       (torchao 0.18.0, built for torch 2.11)
   liger                liger_kernel's apply_liger_kernel_to_<family>(model=...)
                        (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
 
@@ -86,7 +94,7 @@ ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfus
         "seqfuse_fp8_block", "seqfuse_bf16_keep", "seqfuse_fp8_delayed_keep", "seqfuse_fp8_delayed_head_keep",
         "seqfuse_fp8_delayed_head_keep_fused_adamw", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
         "seqfuse_fp8_delayed_head_graphed", "seqfuse_bf16_fused_adamw", "seqfuse_fp8_delayed_fused_adamw",
-        "seqfuse_fp8_delayed_head_fused_adamw", "liger")
+        "seqfuse_fp8_delayed_head_fused_adamw", "torchao_float8", "liger")
 
 #: The suffix of the rows that step seqfuse's FusedAdamW (the module note).
 FUSED_ADAMW = "_fused_adamw"
@@ -175,6 +183,21 @@ def prepare(row, base, family, shape=None):
             raise RuntimeError(f"accelerate fused {len(report.fused)} of {model.config.num_hidden_layers} layers:\n"
                                f"{report}")
         return model, f"fused {len(report.fused)} layers; loss: {report.loss}"
+    if row == "torchao_float8":
+        mod, why = try_import("torchao.float8")
+        if mod is None:
+            raise RuntimeError(why)
+        head = model.get_output_embeddings()
+
+        def swapped(module, fqn):  # torchao's FP8 GEMMs take dimensions that are multiples of 16
+            return module is not head and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+        mod.convert_to_float8_training(model, module_filter_fn=swapped)
+        converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        for layer in transformer_layers(model):
+            layer.compile()
+        return model, (f"torchao.float8.convert_to_float8_training: {converted} Linears (not the LM head), "
+                       "tensorwise dynamic scaling; every decoder (encoder) layer torch.compile'd")
     if row == "liger":
         if FAMILY[family][2] is None:
             raise RuntimeError(f"Liger-Kernel has no apply_liger_kernel_to_* for the {family} family")
@@ -380,6 +403,10 @@ def main(argv=None):
             if liger:
                 goals.append({"goal": f"{row} ahead of liger", "value": r["vs_hf_eager"] / liger["vs_hf_eager"],
                               "pass": r["vs_hf_eager"] > liger["vs_hf_eager"]})
+            ao = by.get("torchao_float8")
+            if ao and "fp8" in row:  # (not an issue goal: the FP8 peer's place beside the FP8 rows)
+                goals.append({"goal": f"{row} ahead of torchao_float8", "value": r["tokens_per_s"] / ao["tokens_per_s"],
+                              "pass": r["tokens_per_s"] > ao["tokens_per_s"]})
             for peer in ("hf_eager", "liger"):
                 if peer in by and device.type == "cuda":
                     goals.append({"goal": f"{row} peak memory <= {peer}'s", "value": r["peak_gib"] / by[peer]["peak_gib"],

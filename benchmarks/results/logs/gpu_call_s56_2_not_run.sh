@@ -2,7 +2,7 @@
 # Session 56, call 2: after call 1's memory breakdown -- the split QKV's v copied out (the attention keeps none of
 # the QKV output), recompute_activation on by default under FP8, the loss's 256 MiB chunks -- accelerate()'s rows
 # at 4,096 and 8,192 tokens with their peers and each row's memory at its peak; linear_cross_entropy's cost by
-# chunk size and sum dtype beside Liger-Kernel's; the cuda tests of what changed.
+# chunk size and sum dtype beside Liger-Kernel's; torchao's FP8 training as a peer row (its wheel in .whl); the cuda tests.
 # Make .s54/carry/pkg_head.tar.xz: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz.
 # Carry .whl, .s52/carry and .s54/carry:
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s56_2_not_run.sh
@@ -10,7 +10,7 @@ set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
 gpu_prebuilt s56 .s52/carry
-A=hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep,seqfuse_fp8_delayed_head_fused_adamw,liger
+A=hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep,seqfuse_fp8_delayed_head_fused_adamw,torchao_float8,liger
 TAIL=40 run 120 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
   --rows $A --out hf_accelerate_s56_4096_call2 --memory "$LOG/memory"
 cp benchmarks/results/hf_accelerate_s56_4096_call2.json "$LOG/" 2>/dev/null
