@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 56, call 2: after call 1's memory breakdown -- the split QKV's v copied out (the attention keeps none of
+# Written in session 56 as its call 2, never run (the session's device time ran out on failed starts): after call 1's
+# memory breakdown -- the split QKV's v copied out (the attention keeps none of
 # the QKV output), recompute_activation on by default under FP8, the loss's 256 MiB chunks -- accelerate()'s rows
 # at 4,096 and 8,192 tokens with their peers and each row's memory at its peak; linear_cross_entropy's cost by
 # chunk size and sum dtype beside Liger-Kernel's; torchao's FP8 training as a peer row (its wheel in .whl); the cuda tests.
