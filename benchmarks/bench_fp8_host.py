@@ -340,6 +340,9 @@ def main():
                         "as in a model; 1: each layer pays them alone)")
     p.add_argument("--parts", choices=("fp8_delayed", "fp8_current", "fp8_block"),
                    help="time this row with each part of its FP8 work replaced by a lookup (module note)")
+    p.add_argument("--out", default=None,
+                   help="result name (results/NAME.json); default fp8_host, with --parts fp8_host_parts (a smoke "
+                        "run here should name its own: those files hold the committed GPU-host figures)")
     args = p.parse_args()
     if args.iters < 1 or args.rounds < 1:
         p.error(f"--iters and --rounds must be at least 1, got {args.iters} and {args.rounds}")
@@ -349,7 +352,7 @@ def main():
     recipes = {"bf16": None, "fp8_delayed": DelayedScaling(), "fp8_current": Float8CurrentScaling(),
                "fp8_block": Float8BlockScaling()}
     if args.parts:
-        table = Table("fp8_host_parts", ["row", "layers", "device", "us_per_layer", "part_us", "vs_bf16"])
+        table = Table(args.out or "fp8_host_parts", ["row", "layers", "device", "us_per_layer", "part_us", "vs_bf16"])
         rows = parts_us(args.parts, recipes[args.parts], device, args.iters, args.rounds, args.layers)
         bf16, whole = rows[0][1], rows[1][1]
         for label, us in rows:
@@ -363,7 +366,7 @@ def main():
         profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters,
                     step_work=args.step_work, layers=args.layers)
         return
-    table = Table("fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device", "us_per_layer",
+    table = Table(args.out or "fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device", "us_per_layer",
                                "vs_bf16", "c_calls", "py_calls"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
     runners = [layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows]
