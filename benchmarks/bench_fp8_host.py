@@ -366,8 +366,8 @@ def main():
         profile_row(args.profile, recipes[args.profile], device, args.weights == "updated", args.iters,
                     step_work=args.step_work, layers=args.layers)
         return
-    table = Table(args.out or "fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device", "us_per_layer",
-                               "vs_bf16", "c_calls", "py_calls"])
+    table = Table(args.out or "fp8_host", ["precision", "weights", "layers", "kernels", "step_work", "device",
+                                           "us_per_layer", "vs_bf16", "c_calls", "py_calls"])
     rows = [(name, recipe, update) for update in (True, False) for name, recipe in recipes.items()]
     runners = [layer_runner(recipe, device, update, args.step_work, args.layers) for _, recipe, update in rows]
     times = host_us(runners, args.iters, args.rounds, real=args.kernels == "real")

@@ -72,22 +72,47 @@ def test_bench_accelerate_keep_rows(tmp_path):
         assert len(mlps) == 2 and all(m.recompute_activation is want for m in mlps), row
 
 
-def test_bench_accelerate_torchao_row_converts_every_linear_but_the_head():
-    """torchao_float8 (the FP8 peer): torchao's Float8Linear in place of
-    every decoder Linear, the LM head left in high precision, the layers
-    compiled; where torchao is missing the row says why instead."""
+def test_bench_accelerate_torchao_row_says_when_torchao_is_missing(monkeypatch):
+    from peers import meta
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    monkeypatch.setattr(meta, "_IMPORTS", {}, raising=False)
     base, family = bench_accelerate.build_base("tiny", None, torch.device("cpu"))
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="torchao"):
-            bench_accelerate.prepare("torchao_float8", base, family)
-        return
-    model, note = bench_accelerate.prepare("torchao_float8", base, family)
+    with pytest.raises(RuntimeError, match="torchao.float8 not importable here"):
+        bench_accelerate.prepare("torchao_float8", base, family)
+
+
+def test_bench_accelerate_torchao_row():
+    """torchao_float8 (the FP8 peer): torchao's Float8Linear where torchao's
+    own tensorwise filter keeps a Linear (at hidden 1,536: q, o, gate, up,
+    down; not k and v, 512 wide), never the LM head, the layers compiled;
+    with the compile undone, a training forward within FP8's distance of
+    the plain model's loss; a token count off 16 refused."""
+    pytest.importorskip("torchao.float8")
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=1536, intermediate_size=2048, num_hidden_layers=2,
+                                   num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model, note = bench_accelerate.prepare("torchao_float8", base, "llama")
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert kinds.pop("lm_head") == "Linear" and set(kinds.values()) == {"Float8Linear"}, kinds
-    assert len(kinds) == 2 * 7 and note.startswith("torchao.float8.convert_to_float8_training: 14 Linears")
+    assert kinds.pop("lm_head") == "Linear"
+    assert {n for n, k in kinds.items() if k == "Float8Linear"} == {
+        f"model.layers.{i}.{m}" for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}, kinds
+    assert note.startswith("torchao.float8.convert_to_float8_training: 10 Linears")
     assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    for layer in model.model.layers:
+        layer._compiled_call_impl = None  # (eager on the CPU: the conversion's numbers, not inductor's)
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(1))
+    want = base(input_ids=ids, labels=ids, use_cache=False).loss.item()
+    got = model(input_ids=ids, labels=ids, use_cache=False).loss
+    got.backward()
+    assert abs(got.item() - want) <= 2e-2 * abs(want) and model.model.layers[0].mlp.up_proj.weight.grad is not None
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        bench_accelerate.prepare("torchao_float8", base, "llama", (1, 30))
 
 
 def test_fused_adamw_like_torch_is_torch_adamws_update():

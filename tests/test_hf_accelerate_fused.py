@@ -679,8 +679,8 @@ def test_cuda_attention_keeps_none_of_the_qkv_output(name):
     ids = batch()[0].cuda()
     qkv_out = []
 
-    def note_output(module, args, out):
-        qkv_out.append((out[0] if isinstance(out, tuple) else out).untyped_storage().data_ptr())
+    def note_output(module, args, out):  # (the outputs kept alive: no later tensor can take their addresses)
+        qkv_out.append(out[0] if isinstance(out, tuple) else out)
 
     hooks = [layer.qkv.register_forward_hook(note_output) for layer in model.model.layers]
     saved = set()
@@ -693,7 +693,8 @@ def test_cuda_attention_keeps_none_of_the_qkv_output(name):
         out = model(ids, labels=ids, use_cache=False)
     for h in hooks:
         h.remove()
-    assert len(qkv_out) == len(model.model.layers) and not saved & set(qkv_out)
+    assert len(qkv_out) == len(model.model.layers)
+    assert not saved & {t.untyped_storage().data_ptr() for t in qkv_out}
     out.loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "qkv" in n)
 
