@@ -108,8 +108,8 @@ def main():
                   vs_eager=times["torch eager"] / times[k], vs_compile=times["torch.compile"] / times[k],
                   peak_GB=(torch.cuda.max_memory_allocated() - base_mem) / 1e9)
     table.save({"copy_ceiling_TBs": H200_COPY_TBS,
-                "note": "linear_cross_entropy chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt), weight gradient summed in the "
-                        "weight's dtype (its default since s56; float32 before); "
+                "note": "linear_cross_entropy chunk GEMMs run on seqfuse.ops.gemm (cuBLASLt), the weight gradient "
+                        "summed in the weight's dtype (linear_cross_entropy's default); "
                         "peak_GB for linear+CE is memory above what the inputs already held"})
     plot_bars(f"{RESULTS}/cross_entropy.png", "Cross-entropy forward+backward, bf16 logits, H200 (TB/s of 3 N V bytes)",
               labels, series, "TB/s")
