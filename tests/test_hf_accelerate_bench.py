@@ -32,6 +32,28 @@ def test_bench_accelerate_tiny_cpu(tmp_path, mode):
     assert abs(a - b) <= 2e-2 * abs(a)
     assert rows["hf_eager"]["vs_hf_eager"] == 1.0
     assert rows["seqfuse_bf16_keep"]["loss0"] == b  # the same forward: only what the backward keeps differs
+    for name in ("seqfuse_bf16", "seqfuse_bf16_keep"):  # (the run's one peer is the strongest)
+        assert rows[name]["strongest_peer"] == "hf_eager"
+        assert rows[name]["vs_strongest_peer"] == rows[name]["tokens_per_s"] / rows["hf_eager"]["tokens_per_s"]
+
+
+def test_peer_ratios_hold_each_row_against_the_strongest_peer_of_its_kind():
+    """bf16 rows against the fastest bf16 peer (compiled transformers here),
+    FP8 rows against every peer (torchao's FP8 here); ratios over each peer,
+    peak memory where measured; nothing without a peer."""
+    by = {"hf_eager": {"tokens_per_s": 40.0, "peak_gib": 20.0}, "hf_compile": {"tokens_per_s": 50.0, "peak_gib": 17.0},
+          "liger": {"tokens_per_s": 45.0, "peak_gib": 12.0}, "torchao_float8": {"tokens_per_s": 60.0, "peak_gib": 14.0}}
+    bf16 = bench_accelerate.peer_ratios("seqfuse_bf16", {"tokens_per_s": 55.0, "peak_gib": 11.0}, by)
+    assert bf16["strongest_peer"] == "hf_compile" and bf16["vs_strongest_peer"] == 55.0 / 50.0
+    assert bf16["vs_peers"]["liger"] == {"tokens_per_s": 55.0 / 45.0, "peak_memory": 11.0 / 12.0}
+    fp8 = bench_accelerate.peer_ratios("seqfuse_fp8_delayed", {"tokens_per_s": 66.0, "peak_gib": 13.0}, by)
+    assert fp8["strongest_peer"] == "torchao_float8" and fp8["vs_strongest_peer"] == 66.0 / 60.0
+    assert set(fp8["vs_peers"]) == set(by)
+    cpu = {"hf_eager": {"tokens_per_s": 40.0, "peak_gib": float("nan")}}
+    assert bench_accelerate.peer_ratios("seqfuse_bf16", {"tokens_per_s": 44.0, "peak_gib": float("nan")}, cpu) == {
+        "vs_peers": {"hf_eager": {"tokens_per_s": 1.1, "peak_memory": None}}, "strongest_peer": "hf_eager",
+        "vs_strongest_peer": 1.1}
+    assert bench_accelerate.peer_ratios("seqfuse_bf16", {"tokens_per_s": 1.0, "peak_gib": 1.0}, {}) == {}
 
 
 def test_bench_accelerate_fused_adamw_row(tmp_path):

@@ -72,9 +72,13 @@ row), tiny and tiny_bert (CPU smoke).
 
 Output: a table on stdout and benchmarks/results/<--out>.json with the run
 metadata (commit, versions, command), one row per implementation with
-tokens/s, ms per step, peak GiB, loss0, speed-up over hf_eager, and the
-issue's goals (seqfuse bf16 >= 1.3x and FP8 delayed >= 1.7x hf_eager, ahead
-of Liger's speed-up, peak memory at most hf_eager's and Liger's).
+tokens/s, ms per step, peak GiB, loss0, speed-up over hf_eager, and for
+each seqfuse row its ratios over every peer row in the run (``vs_peers``:
+tokens/s, and peak memory on the GPU) and over the strongest of them
+(``strongest_peer``, ``vs_strongest_peer``: the fastest peer of the row's
+kind, peer_ratios), and the issue's goals (seqfuse bf16 >= 1.3x and FP8
+delayed >= 1.7x hf_eager, ahead of Liger's speed-up, peak memory at most
+hf_eager's and Liger's).
 """
 import argparse
 import copy
@@ -99,6 +103,10 @@ ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfus
         "seqfuse_fp8_delayed_head_keep_fused_adamw", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
         "seqfuse_fp8_delayed_head_graphed", "seqfuse_bf16_fused_adamw", "seqfuse_fp8_delayed_fused_adamw",
         "seqfuse_fp8_delayed_head_fused_adamw", "torchao_float8", "liger")
+
+#: The peer rows, and those a bf16 seqfuse row is held against (an FP8 row: every peer).
+PEERS = ("hf_eager", "hf_compile", "liger", "torchao_float8")
+BF16_PEERS = ("hf_eager", "hf_compile", "liger")
 
 #: The suffix of the rows that step seqfuse's FusedAdamW (the module note).
 FUSED_ADAMW = "_fused_adamw"
@@ -216,6 +224,26 @@ def prepare(row, base, family, shape=None):
         getattr(mod, FAMILY[family][2])(model=model)
         return model, f"liger_kernel {FAMILY[family][2]}(model=...) (rope, rms_norm, swiglu, fused linear CE)"
     raise ValueError(row)
+
+
+def peer_ratios(row, r, by):
+    """A seqfuse row's result ``r`` against the peer rows of the run
+    (``by``: row name -> result): {"vs_peers": {peer: {"tokens_per_s": ratio,
+    "peak_memory": ratio or None}}, "strongest_peer": the fastest peer of the
+    row's kind (bf16: BF16_PEERS; FP8: every peer, torchao's FP8 among them),
+    "vs_strongest_peer": the row's tokens/s over it}; {} without a peer."""
+    vs = {}
+    for peer in PEERS:
+        p = by.get(peer)
+        if p is not None:
+            mem = r["peak_gib"] / p["peak_gib"] if p["peak_gib"] == p["peak_gib"] else None  # (NaN off the GPU)
+            vs[peer] = {"tokens_per_s": r["tokens_per_s"] / p["tokens_per_s"], "peak_memory": mem}
+    kind = BF16_PEERS if row.startswith("seqfuse_bf16") else PEERS
+    held = [peer for peer in kind if peer in vs]
+    if not held:
+        return {}
+    strongest = max(held, key=lambda peer: by[peer]["tokens_per_s"])
+    return {"vs_peers": vs, "strongest_peer": strongest, "vs_strongest_peer": vs[strongest]["tokens_per_s"]}
 
 
 def train_row(model, ids, warmup, steps, device, row=""):
@@ -397,7 +425,13 @@ def main(argv=None):
         if "memory_phases_gib" in r:
             print(f"{r['row']:38s} GiB allocated by phase of a step: " +
                   ", ".join(f"{k} {v:.2f}" for k, v in r["memory_phases_gib"].items()))
-    goals, comparisons = [], []
+    for r in res.rows:
+        if r["row"].startswith("seqfuse") and "tokens_per_s" in r:
+            r.update(peer_ratios(r["row"], r, by))
+            if "strongest_peer" in r:
+                print(f"{r['row']:38s} {r['vs_strongest_peer']:.3f}x the strongest peer in this run, "
+                      f"{r['strongest_peer']}")
+    goals = []
     if base_row and args.mode == "train":
         liger = by.get("liger")
         for row in ROWS:  # (the issue's goals: bf16 >= 1.3x, FP8 delayed >= 1.7x; block rows have none)
@@ -412,13 +446,6 @@ def main(argv=None):
             if liger:
                 goals.append({"goal": f"{row} ahead of liger", "value": r["vs_hf_eager"] / liger["vs_hf_eager"],
                               "pass": r["vs_hf_eager"] > liger["vs_hf_eager"]})
-            ao = by.get("torchao_float8")
-            if ao and row in ("seqfuse_fp8_delayed", "seqfuse_fp8_delayed_keep"):
-                # (not an issue goal: the default FP8 rows beside the FP8 peer, both with a bf16 head and torch's
-                # AdamW; the seqfuse rows' loss is the fused one, torchao's transformers' own)
-                comparisons.append({"comparison": f"{row} over torchao_float8",
-                                    "tokens_per_s": r["tokens_per_s"] / ao["tokens_per_s"],
-                                    "peak_memory": r["peak_gib"] / ao["peak_gib"] if device.type == "cuda" else None})
             for peer in ("hf_eager", "liger"):
                 if peer in by and device.type == "cuda":
                     goals.append({"goal": f"{row} peak memory <= {peer}'s",
@@ -426,10 +453,7 @@ def main(argv=None):
                                   "pass": r["peak_gib"] <= by[peer]["peak_gib"]})
     for gl in goals:
         print(f"goal {gl['goal']}: {gl['value']:.3f} -> {'PASS' if gl['pass'] else 'FAIL'}")
-    for c in comparisons:
-        print(f"{c['comparison']}: tokens/s {c['tokens_per_s']:.3f}x" +
-              ("" if c["peak_memory"] is None else f", peak memory {c['peak_memory']:.3f}x"))
-    res.save(goals=goals, peer_comparisons=comparisons)
+    res.save(goals=goals)
 
 
 if __name__ == "__main__":
