@@ -12,14 +12,14 @@ set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
 gpu_prebuilt s56 .s52/carry
-A=hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep,seqfuse_fp8_delayed_head_fused_adamw
-A=$A,torchao_float8,liger
-TAIL=40 run 120 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
+A=hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep
+A=$A,seqfuse_fp8_delayed_head_fused_adamw,torchao_float8,liger
+TAIL=40 run 160 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
   --rows $A --out hf_accelerate_s56_4096_call2 --memory "$LOG/memory"
 cp benchmarks/results/hf_accelerate_s56_4096_call2.json "$LOG/" 2>/dev/null
 pack
-TAIL=30 run 80 accel8192 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 8192 --steps 10 \
-  --rows hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,liger --out hf_accelerate_s56_8192_call2
+TAIL=30 run 120 accel8192 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 8192 --steps 10 \
+  --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,torchao_float8,liger --out hf_accelerate_s56_8192_call2
 cp benchmarks/results/hf_accelerate_s56_8192_call2.json "$LOG/" 2>/dev/null
 pack
 TAIL=20 run 60 linear_ce bash -c "cd benchmarks && python3 bench_linear_ce_chunks.py --tokens 4096,8192 \
