@@ -68,6 +68,7 @@ COVERAGE = {
         'parameters_split': 'test_transformer_layer.py::test_linear_parameters_split',
         'device': 'test_te_api_args.py::test_linear_fuse_wgrad_accumulation',
         'name': 'test_te_api_forward.py::test_gemm_and_norm_forward_keywords_against_torch',
+        'save_original_input': 'test_linear_save_original_input.py::test_save_original_input_gives_the_same_bits',
     },
     'LayerNormLinear': {
         'fuse_wgrad_accumulation': 'test_te_api_args.py::test_fuse_wgrad_accumulation_into_main_grad',

@@ -382,7 +382,9 @@ def fuse_layer(layer, rmsnorm_match, rotary, recompute_activation=False):
         new.qkv.weight = _fused_or_own(parts.qkv, "weight")
         if has_qkv_bias:
             new.qkv.bias = _fused_or_own(parts.qkv, "bias")
-        new.proj = Linear(o.in_features, o.out_features, bias=o.bias is not None, **kw)
+        # the attention keeps its output for its own backward: under FP8 the projection keeps that tensor,
+        # not an FP8 transposed copy of it (made again for its weight gradient: Linear's save_original_input)
+        new.proj = Linear(o.in_features, o.out_features, bias=o.bias is not None, save_original_input=True, **kw)
         new.proj.weight = o.weight
         if o.bias is not None:
             new.proj.bias = o.bias

@@ -170,6 +170,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             da, dw2 = F8.backward(g2, a_col, w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
             del a_col  # (read by FC2's weight gradient only)
             g1, db1 = _fp8_act_grad(q, da, h, activation, b1_dt, need_w1)
+            del da  # (read by the activation's backward alone: freed before FC1's GEMMs)
             w1_dgrad = F8.weight_dgrad_kept(w1_t, w1_si, kind, ctx.want_t)
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), w1_dgrad, kind, dt, rows, True, need_w1, w1_dt,
                                    mg1)

@@ -133,6 +133,13 @@ class Linear(torch.nn.Module):
     ``overwrite_main_grad`` set, writes dW there instead of adding it.
     parameters_split: TE's split of the weight's rows into several
     parameters (see seqfuse.modules._split); still one GEMM.
+    save_original_input (TE's): under FP8 the backward keeps the input in
+    its own precision, not its FP8 transposed copy, and makes that copy again
+    for the weight gradient (the same bytes: under delayed scaling with the
+    forward's scale, which TE refuses); less memory where the input is kept
+    by another module anyway (seqfuse.hf's fused layers set it on the
+    attention output's projection), more where it is not.  Without FP8 the
+    input is what the backward keeps either way.
     get_rng_state_tracker, rng_tracker_name: the weight is drawn inside
     ``get_rng_state_tracker().fork(rng_tracker_name)`` (TE's model-parallel
     RNG tracker), else from torch's generator.  name: kept as ``self.name``
@@ -142,9 +149,11 @@ class Linear(torch.nn.Module):
 
     def __init__(self, in_features, out_features, *, bias=True, params_dtype=None, device=None,
                  init_method=None, return_bias=False, fuse_wgrad_accumulation=False, parameters_split=None,
-                 get_rng_state_tracker=None, rng_tracker_name=None, name=None, **te_refused):
+                 get_rng_state_tracker=None, rng_tracker_name=None, name=None, save_original_input=False,
+                 **te_refused):
         super().__init__()
         take_refused("Linear", te_refused)
+        self.save_original_input = bool(save_original_input)
         self.get_rng_state_tracker, self.rng_tracker_name, self.name = (get_rng_state_tracker,
                                                                         rng_tracker_name, name)
         dtype = set_linear_options(self, "Linear", in_features, out_features, bias, return_bias,
@@ -218,7 +227,7 @@ class Linear(torch.nn.Module):
             q = _gq.quantizers_for(self, recipe, x.device)
             y = Fp8LinearFunction.apply(x, weight, use_bias, q, dtype,
                                         (is_first_microbatch, weight_sources(self), torch.is_grad_enabled()),
-                                        residual, overwrite)
+                                        residual, overwrite, self.save_original_input)
         else:
             y = LinearFunction.apply(x, weight, use_bias, dtype, residual, overwrite)
         if inp.dim() != 2:  # a 2-D input gets the Function's output itself, not a view of it
@@ -244,24 +253,33 @@ class Fp8LinearFunction(torch.autograd.Function):
     seqfuse.modules._fp8).
 
     forward(x [tokens, in], weight, bias, quantizers, dtype,
-    (is_first_microbatch, weight sources, grad), residual or None): dtype is the output
+    (is_first_microbatch, weight sources, grad), residual or None,
+    wgrad_overwrite, save_original): dtype is the output
     (activation) dtype; the first two are WeightQuantizer.get's arguments,
     ``grad`` whether autograd was on at the call (inside forward it is
     always off): without it no backward follows and the weight's
     transposed FP8 copy is not made (gemm_quantizers.wants_weight_transpose);
-    wgrad_overwrite as LinearFunction's."""
+    wgrad_overwrite as LinearFunction's; save_original: Linear's
+    save_original_input (the backward keeps x and makes its FP8 transposed
+    copy again: InputQuantizer.columnwise_again)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, q, dtype, weight_args, residual=None, wgrad_overwrite=False):
+    def forward(ctx, x, weight, bias, q, dtype, weight_args, residual=None, wgrad_overwrite=False,
+                save_original=False):
         need_w = ctx.needs_input_grad[1]  # False under no_grad: no transposed input copy
+        ctx.save_original = save_original = save_original and need_w
         kind = q.kind
         first_mb, sources, grad = weight_args
         # (x, weight, bias: the residual's gradient needs no weight transpose)
         want_t = _gq.wants_weight_transpose(grad and any(ctx.needs_input_grad[:3]), q.weights[0])
         pair = q.weights[0].get(weight, first_mb, sources, transposed=want_t, release_rowwise=True)
-        xq = q.inputs[0].quantize(x.detach(), transpose=need_w, transient=True)  # (read by the GEMM alone)
+        if save_original:  # (x and the scale of its cast kept; its transposed copy made again in the backward)
+            xq, x_scale = q.inputs[0].quantize_source_kept(x.detach())
+            x_col = (x, x_scale)
+        else:
+            xq = q.inputs[0].quantize(x.detach(), transpose=need_w, transient=True)  # (read by the GEMM alone)
+            x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)
         y = F8.forward(xq, pair, kind, dtype, bias, x.shape[0], residual)
-        x_col = F8.saved(F8.columnwise(xq, kind)) if need_w else (None, None)
         w_data, w_si = F8.weight_kept(pair, kind, want_t)
         ctx.want_t = want_t
         ctx.save_for_backward(*x_col, w_data, w_si)
@@ -284,8 +302,12 @@ class Fp8LinearFunction(torch.autograd.Function):
             g, db = ctx.q.grads[0].quantize_grad(dy, ctx.bias_dtype if need_db else None,
                                                  need_dgrad=need_dx, need_wgrad=need_dw, transient=True)
             w_dg = F8.weight_dgrad_kept(w_t, w_si, kind, ctx.want_t) if need_dx else None
-            dx, dw = F8.backward(g, F8.restore(x_t, x_si, kind), w_dg,
+            if ctx.save_original:  # x_t, x_si: x itself and its cast's scale (quantize_source_kept)
+                x_col = F8.columnwise(ctx.q.inputs[0].columnwise_again(x_t, x_si), kind) if need_dw else None
+            else:
+                x_col = F8.restore(x_t, x_si, kind)
+            dx, dw = F8.backward(g, x_col, w_dg,
                                  kind, ctx.dtype, ctx.rows, need_dx, need_dw, weight.dtype, main_grad)
         elif need_db:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, (dy if ctx.needs_input_grad[6] else None), None
+        return dx, dw, db, None, None, None, (dy if ctx.needs_input_grad[6] else None), None, None

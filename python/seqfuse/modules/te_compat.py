@@ -65,10 +65,7 @@ _INTERLEAVED_ROPE = _entry(True, (False,), "interleaved rotary embeddings (rotat
                            "implemented; use the default non-interleaved RoPE layout")
 
 REFUSED = {
-    "Linear": {**_parallel(_UB_ARGS), **_GEMM_COMMON,
-               "save_original_input": _entry(True, (False,), "saving the unquantized input for the "
-                                             "backward is not implemented; the backward keeps the FP8 "
-                                             "input (or the input itself without FP8)")},
+    "Linear": {**_parallel(_UB_ARGS), **_GEMM_COMMON},
     "LayerNormLinear": {**_parallel(_UB_ARGS), **_GEMM_COMMON, "return_layernorm_output_gathered": _GATHERED},
     "LayerNormMLP": {**_parallel(_UB_ARGS),
                      **{k: v for k, v in _GEMM_COMMON.items() if k not in ("ub_name", "parallel_mode")},

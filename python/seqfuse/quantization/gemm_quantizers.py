@@ -320,7 +320,8 @@ class _Role:
             return si, None
         return si, torch.empty(*qops.block_sums_shape(sums_rows, x.shape[-1]), dtype=torch.float32, device=dev)
 
-    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, row_place=None, col_place=None, grad_at=None):
+    def _cast(self, x, transpose, dbias=None, rows=None, kept=False, row_place=None, col_place=None, grad_at=None,
+              keep_scale=False):
         """Per-tensor cast of x [M, K] under the owner's recipe, the copies
         padded to ``rows`` token rows (None: M): a Float8Tensor, with
         ``dbias`` (a dtype) also x's column sums in it.  What quantize_with_state /
@@ -333,12 +334,16 @@ class _Role:
         (transient_stream, purpose) pair: seqfuse.ops.buffers).  ``grad_at``:
         a module backward's transient_stream, where every buffer of a
         gradient cast is transient (GradQuantizer.transient_outputs; the
-        other buffer arguments are then unused)."""
+        other buffer arguments are then unused).  ``keep_scale`` (delayed
+        scaling, no ``dbias``): returns (the Float8Tensor, a copy of the
+        scale it was cast with)."""
         o = self.owner
         x, m, k = _cast_input(x)
         delayed = o.kind == "delayed"
         if delayed:
             scale, amax, fp8_dtype = state_cast_args(o.state, self.index, x)
+            if keep_scale:
+                scale = scale.clone()
         else:
             fp8_dtype = self.fp8_dtype
             amax, scale = self._scratch(x)
@@ -360,7 +365,8 @@ class _Role:
                 qops.cast_fp8_into(x, scale, amax, out, out_t, scale_inv)
             else:
                 qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin)
-            return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
+            q = Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
+            return (q, scale) if keep_scale else q
         # the cast+dbias pass and the block sums' total in one C call (current scaling: x's amax and
         # the scale first, four launches in all; the one-launch current cast writes no sums)
         db = torch.empty(k, dtype=dbias, device=dev)
@@ -490,8 +496,56 @@ def transposed(q, place=None):
 
 
 class InputQuantizer(_Role):
-    """A GEMM's activation operand."""
+    """A GEMM's activation operand.
+
+    A module that keeps its input in its own precision for the backward
+    (Linear's save_original_input: an input another module keeps anyway,
+    such as the attention output its projection reads) casts it row-wise
+    only in the forward (quantize_source_kept) and makes the weight
+    gradient's transposed FP8 copy again in the backward
+    (columnwise_again): the bytes the forward's cast would have written.
+    Per tensor that needs the forward's scale: delayed scaling's is a copy
+    taken at the cast (the step's update moves the state's before the
+    backward); current scaling takes x's amax again (the same value); block
+    scaling's 1x128 blocks depend on x alone."""
     __slots__ = ()
+
+    def quantize_source_kept(self, x):
+        """(x's row-wise FP8 operand for the forward GEMM, in the transient
+        buffer quantize(transient=True) uses; the scale it was cast with under
+        delayed scaling, a copy, else None): what columnwise_again takes with
+        x in the backward."""
+        o = self.owner
+        if o.kind != "delayed":
+            return self.quantize(x, transpose=False, transient=True), None
+        m = x.shape[0]
+        mp = padded_rows(m)
+        return self._cast(x, False, rows=None if mp == m else mp, row_place=self.input_place(x), keep_scale=True)
+
+    def columnwise_again(self, x, scale):
+        """x's transposed FP8 copy for the weight-gradient GEMM, made in the
+        backward from x [M, K] as the forward's cast would have made it
+        (``scale``: quantize_source_kept's), into a transient buffer (read
+        by the GEMM its module enqueues next).  Under delayed scaling the
+        cast records its amax into a scratch slot, not the step's history
+        (the forward recorded it)."""
+        o = self.owner
+        m = x.shape[0]
+        mp = padded_rows(m)
+        rows = None if mp == m else mp
+        place = (buffers.transient_stream(x), ("input_again", self.index))
+        if o.kind == "block":
+            return self._block_cast(x, rows, rowwise=False, col_place=place)
+        x, m, k = _cast_input(x)
+        fp8_dtype = o.state.fp8_dtype(self.index) if o.kind == "delayed" else self.fp8_dtype
+        out_t = buffers.new_or_transient(place, x.device, fp8_dtype, k, mp)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+        amax, scratch_scale = self._scratch(x)
+        if o.kind == "delayed":
+            qops.cast_fp8_into(x, scale, amax, None, out_t, scale_inv)
+        else:
+            qops.cast_fp8_current_into(x, amax, scratch_scale, scale_inv, None, out_t, o.margin)
+        return Float8Tensor(None, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape)
 
 
 class GradQuantizer(_Role):
