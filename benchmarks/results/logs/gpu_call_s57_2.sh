@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 57 call 2: after Linear's save_original_input on the fused layers' attention projection (the attention
+# output kept once, its FP8 transposed copy made again in the backward) and LayerNormMLP's FP8 backward freeing the
+# activation's input gradient before FC1's GEMMs -- accelerate()'s rows at 4,096 and 8,192 tokens with their peers
+# and each row's memory at its peak (issue 21: FP8 delayed peak memory at most Liger's), then the cuda tests of the
+# touched modules.
+# Make .s54/carry/pkg_head.tar.xz: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz.
+# Carry .whl, .s52/carry and .s54/carry:
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s57_2.sh
+set -uo pipefail
+source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
+tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
+gpu_prebuilt s57 .s52/carry
+A=hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep
+A=$A,seqfuse_fp8_delayed_head_fused_adamw,torchao_float8,liger
+TAIL=40 run 160 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
+  --rows $A --out hf_accelerate_s57_4096_call2 --memory "$LOG/memory"
+cp benchmarks/results/hf_accelerate_s57_4096_call2.json "$LOG/" 2>/dev/null
+pack
+TAIL=30 run 120 accel8192 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 8192 --steps 10 \
+  --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,torchao_float8,liger --out hf_accelerate_s57_8192_call2
+cp benchmarks/results/hf_accelerate_s57_8192_call2.json "$LOG/" 2>/dev/null
+pack
+TAIL=8 run 120 cuda_tests python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 14 --timeout 90 \
+  tests/test_linear_save_original_input.py tests/test_linear.py tests/test_fp8_any_rows.py \
+  tests/test_layernorm_mlp_fp8_recompute.py tests/test_hf_accelerate_fused.py tests/test_te_api_table.py
+exit $status
