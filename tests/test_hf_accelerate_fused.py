@@ -734,6 +734,42 @@ def test_recompute_activation_under_an_fp8_recipe():
     assert layers * (ffn * rows - 8) <= less <= layers * ffn * rows, (less, layers * ffn * rows)
 
 
+@needs_fp8
+def test_attention_projection_keeps_the_attention_output_under_fp8():
+    """accelerate()'s fused layers set Linear's save_original_input on the
+    attention output's projection: under an FP8 recipe its backward keeps
+    the attention output (which the attention keeps for its own backward)
+    and makes the FP8 transposed copy again, not kept: the same loss and
+    gradients bit for bit over two steps as with the copy kept, one byte per
+    [rows, heads x head_dim] element less kept per layer."""
+    from seqfuse.common.recipe import DelayedScaling
+
+    ids, mask, labels = batch()
+    _, copy_kept, _ = accelerated("llama", torch.bfloat16, recipe=DelayedScaling())
+    _, lean, _ = accelerated("llama", torch.bfloat16, recipe=DelayedScaling())
+    assert all(layer.proj.save_original_input for layer in lean.model.layers)
+    for layer in copy_kept.model.layers:
+        layer.proj.save_original_input = False
+    results = []
+    for model in (copy_kept, lean):
+        for _ in range(2):  # (the second step runs on the scales the first one's update made)
+            out, saved = _saved_bytes(lambda: model(ids, attention_mask=mask, labels=labels))
+            out.loss.backward()
+            grads = hf_named_tensors(model)
+            model.zero_grad()
+        results.append((out.loss.detach(), grads, saved))
+    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for n, g in grads_a.items():
+        assert (g is None) == (grads_b[n] is None) and (g is None or torch.equal(g, grads_b[n])), n
+    rows = (ids.numel() + 15) // 16 * 16  # (FP8 copies carry the token rows padded to 16)
+    width = copy_kept.model.layers[0].proj.in_features
+    layers = len(copy_kept.model.layers)
+    less = saved_a - saved_b
+    # one byte per element of the [width, rows] copy, less the one-element scale copy delayed scaling keeps
+    assert layers * (width * rows - 8) <= less <= layers * width * rows, (less, layers * width * rows)
+
+
 def test_recompute_activation_argument_rules():
     from seqfuse.pytorch import LayerNormMLP
 
