@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 57 call 2: after Linear's save_original_input on the fused layers' attention projection (the attention
 # output kept once, its FP8 transposed copy made again in the backward) and LayerNormMLP's FP8 backward freeing the
-# activation's input gradient before FC1's GEMMs -- accelerate()'s rows at 4,096 and 8,192 tokens with their peers
-# and each row's memory at its peak (issue 21: FP8 delayed peak memory at most Liger's), then the cuda tests of the
-# touched modules.
+# activation's input gradient before FC1's GEMMs -- accelerate()'s rows at 4,096 and 8,192 tokens with eager
+# transformers and Liger-Kernel (compiled transformers and torchao left out: call 1 has them, and this session's
+# device time ran short) and each row's memory at its peak (issue 21: FP8 delayed peak memory at most Liger's), then
+# the cuda tests of the touched modules.
 # Make .s54/carry/pkg_head.tar.xz: git archive HEAD python/seqfuse | xz > .s54/carry/pkg_head.tar.xz.
 # Carry .whl, .s52/carry and .s54/carry:
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s57_2.sh
@@ -11,14 +12,13 @@ set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
 gpu_prebuilt s57 .s52/carry
-A=hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_keep
-A=$A,seqfuse_fp8_delayed_head_fused_adamw,torchao_float8,liger
+A=hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,liger
 TAIL=40 run 160 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
   --rows $A --out hf_accelerate_s57_4096_call2 --memory "$LOG/memory"
 cp benchmarks/results/hf_accelerate_s57_4096_call2.json "$LOG/" 2>/dev/null
 pack
 TAIL=30 run 120 accel8192 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 8192 --steps 10 \
-  --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,torchao_float8,liger --out hf_accelerate_s57_8192_call2
+  --rows $A --out hf_accelerate_s57_8192_call2
 cp benchmarks/results/hf_accelerate_s57_8192_call2.json "$LOG/" 2>/dev/null
 pack
 TAIL=8 run 120 cuda_tests python3 -m pytest -q -rfE -m cuda -p no:cacheprovider -n 14 --timeout 90 \
