@@ -172,6 +172,7 @@ class Linear(torch.nn.Module):
             self.reset_parameters()
 
     fp8_num_gemms = 1
+    save_original_input = False  # (the constructor's argument; a module pickled before it existed reads this)
 
     def fp8_features(self):
         """(name, size) of the FP8 GEMMs' feature dimensions (checked per recipe)."""

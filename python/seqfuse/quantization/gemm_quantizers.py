@@ -511,10 +511,10 @@ class InputQuantizer(_Role):
     __slots__ = ()
 
     def quantize_source_kept(self, x):
-        """(x's row-wise FP8 operand for the forward GEMM, in the transient
-        buffer quantize(transient=True) uses; the scale it was cast with under
-        delayed scaling, a copy, else None): what columnwise_again takes with
-        x in the backward."""
+        """(x's row-wise FP8 operand for the forward GEMM, as
+        quantize(transpose=False, transient=True) makes it; the scale it was
+        cast with under delayed scaling, a copy, else None): what
+        columnwise_again takes with x in the backward."""
         o = self.owner
         if o.kind != "delayed":
             return self.quantize(x, transpose=False, transient=True), None
