@@ -561,3 +561,23 @@ def test_linear_cross_entropy_fp8_rules():
         linear_cross_entropy(hidden, weight[:40], labels, fp8_recipe=DelayedScaling())
     with pytest.raises(ValueError, match="H to be a multiple of 16, got 24"):
         linear_cross_entropy(hidden[:, :24], weight[:, :24], labels, fp8_recipe=DelayedScaling())
+
+
+def test_default_chunk_size_rule():
+    """The default chunk: a quarter of the full logits within 256-512 MiB, in
+    multiples of 256 rows, at least 256, never more than the rows there are;
+    an explicit budget is taken as given."""
+    from seqfuse.modules.cross_entropy import default_chunk_size
+
+    v = 128256
+    assert default_chunk_size(4096, v, 2) == 1024  # (a quarter: 256 MiB)
+    assert default_chunk_size(8192, v, 2) == 2048  # (a quarter: 512 MiB)
+    assert default_chunk_size(32768, v, 2) == 2048  # (512 MiB at most)
+    assert default_chunk_size(1000, v, 2) == 1000  # (the floor of 256 MiB: one chunk)
+    assert default_chunk_size(4096, 32000, 2) == 4096
+    assert default_chunk_size(8192, v, 4) == 1024  # (float32 logits: the same bytes, half the rows)
+    assert default_chunk_size(0, v, 2) == 1
+    assert default_chunk_size(8192, v, 2, budget_bytes=1 << 20) == 256
+    for n in (300, 5000, 9000, 70000):
+        rows = default_chunk_size(n, v, 2)
+        assert rows == n or (rows % 256 == 0 and 256 <= rows and rows * v * 2 <= 512 << 20), (n, rows)
