@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 57 call 2: after Linear's save_original_input on the fused layers' attention projection (the attention
 # output kept once, its FP8 transposed copy made again in the backward) and LayerNormMLP's FP8 backward freeing the
-# activation's input gradient before FC1's GEMMs -- accelerate()'s rows at 4,096 and 8,192 tokens with eager
+# activation's input gradient before FC1's GEMMs, and the loss's default chunk of 2,048 rows from 8,192 tokens on
+# (512 MiB at a 128k vocabulary; 1,024 rows at 4,096 tokens as before) -- accelerate()'s rows at 4,096 and 8,192 tokens with eager
 # transformers and Liger-Kernel (compiled transformers and torchao left out: call 1 has them, and this session's
 # device time ran short) and each row's memory at its peak (issue 21: FP8 delayed peak memory at most Liger's), then
 # where the bf16 and FP8 steps' GPU time goes (--profile: the kernels' summary), then the cuda tests of the
