@@ -185,7 +185,9 @@ def test_fusion_ab_switches_patch_and_restore():
                            (TransformerLayer, "_residual_fusable")],
               "act_grad_fp8": [(GradQuantizer, "fused_cast")],
               "attn_residual_grad": [(fusion_ab.LayerNormLinear, "forward")],
-              "transient_buffers": [(fusion_ab.buffers, "TRANSIENT_POOL_BYTES")]}
+              "transient_buffers": [(fusion_ab.buffers, "TRANSIENT_POOL_BYTES")],
+              "save_original_input": [(fusion_ab.Linear, "save_original_input")],
+              "loss_chunk": [(fusion_ab.CE, "default_chunk_size")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
@@ -208,6 +210,18 @@ def test_fusion_ab_switches_patch_and_restore():
         set_new()
     out, alias = m(x, return_input_alias=True)
     assert alias is not x and alias.data_ptr() == x.data_ptr()
+    # the old paths of save_original_input (the module's own setting outranked) and loss_chunk (256 MiB chunks)
+    kept = fusion_ab.Linear(16, 16, device="cpu", save_original_input=True)
+    for name, old_value, new_value in (("save_original_input", False, True), ("loss_chunk", 1024, 2048)):
+        set_new, set_old = fusion_ab.SWITCHES[name]()
+        read = (lambda: kept.save_original_input) if name == "save_original_input" else \
+            (lambda: fusion_ab.CE.default_chunk_size(8192, 128256, 2))
+        set_old()
+        try:
+            assert read() == old_value, name
+        finally:
+            set_new()
+        assert read() == new_value, name
 
 
 def test_fusion_ab_alternates_which_mode_goes_first(monkeypatch):

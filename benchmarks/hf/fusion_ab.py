@@ -20,6 +20,12 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
   transient_buffers  buffers that live inside one call kept and reused
                   (seqfuse.ops.buffers) against a new allocation each
                   (TRANSIENT_POOL_BYTES = 0)
+  save_original_input  the fused layers' attention projection keeping the
+                  attention output and making its FP8 transposed copy again
+                  in the backward (Linear's save_original_input) against
+                  keeping the FP8 copy
+  loss_chunk      linear_cross_entropy's default chunk (a quarter of the
+                  logits within 256-512 MiB) against 256 MiB chunks
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -33,6 +39,7 @@ before the JSON): benchmarks/results/logs/split_qkv_rope_ab_s30_687b3e5.log
 (this script's first form, split_qkv_rope only), fusion_ab_s31*.log.
 """
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -48,6 +55,7 @@ from harness import Table  # noqa: E402
 import seqfuse.hf.fuse_layers as FL  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
 from seqfuse.modules.layernorm_linear import LayerNormLinear  # noqa: E402
+from seqfuse.modules.linear import Linear  # noqa: E402
 from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
 from seqfuse.ops import buffers  # noqa: E402
 from seqfuse.quantization.gemm_quantizers import GradQuantizer  # noqa: E402
@@ -86,6 +94,10 @@ def _pool_switch():
     return (lambda: setattr(buffers, "TRANSIENT_POOL_BYTES", limit)), set_old
 
 
+CE = importlib.import_module("seqfuse.modules.cross_entropy")  # (the package exports a function of that name)
+_chunk_rule = CE.default_chunk_size
+
+
 def _together(*switches):
     """One switch setting several."""
     return (lambda: [s[0]() for s in switches]), (lambda: [s[1]() for s in switches])
@@ -112,6 +124,10 @@ SWITCHES = {
     "act_grad_fp8": lambda: _attribute_switch(GradQuantizer, "fused_cast", property(lambda self: False)),
     "attn_residual_grad": lambda: _attribute_switch(LayerNormLinear, "forward", _forward_without_alias),
     "transient_buffers": _pool_switch,
+    # (a class property outranks the instance attribute the fused layers set)
+    "save_original_input": lambda: _attribute_switch(Linear, "save_original_input", property(lambda self: False)),
+    "loss_chunk": lambda: _attribute_switch(
+        CE, "default_chunk_size", lambda n, v, es, budget_bytes=256 << 20: _chunk_rule(n, v, es, budget_bytes)),
 }
 
 
