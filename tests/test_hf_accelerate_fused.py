@@ -714,9 +714,18 @@ def test_recompute_activation_under_an_fp8_recipe():
     assert not any(layer.mlp_fused.recompute_activation for layer in plain.model.layers)
     assert all(layer.mlp_fused.recompute_activation for layer in lean.model.layers)
     assert "made again in the backward" in str(report) and "made again in the backward" not in str(kept)
+    # (the second step: delayed scaling's activation cast in the kernel)
+    _same_bits_one_fp8_copy_less(plain, lean, ids, mask, labels, plain.config.intermediate_size)
+
+
+def _same_bits_one_fp8_copy_less(kept, lean, ids, mask, labels, width):
+    """Two FP8 training steps of ``kept`` and ``lean`` (the same weights): the
+    second step's loss and gradients equal bit for bit, and autograd keeps
+    one byte per element of a [width, rows] FP8 copy less per layer in
+    ``lean`` (its scale-inverse's few bytes allowed)."""
     results = []
-    for model in (plain, lean):
-        for _ in range(2):  # (the second step: delayed scaling's activation cast in the kernel)
+    for model in (kept, lean):
+        for _ in range(2):  # (the second step runs on the scales the first one's update made)
             out, saved = _saved_bytes(lambda: model(ids, attention_mask=mask, labels=labels))
             out.loss.backward()
             grads = hf_named_tensors(model)
@@ -726,12 +735,11 @@ def test_recompute_activation_under_an_fp8_recipe():
     assert torch.equal(loss_a, loss_b)
     for n, g in grads_a.items():
         assert (g is None) == (grads_b[n] is None) and (g is None or torch.equal(g, grads_b[n])), n
-    tokens, ffn = ids.numel(), plain.config.intermediate_size
-    rows = (tokens + 15) // 16 * 16  # (FP8 copies carry the token rows padded to 16)
+    rows = (ids.numel() + 15) // 16 * 16  # (FP8 copies carry the token rows padded to 16)
     less = saved_a - saved_b
-    layers = len(plain.model.layers)
-    # one byte per element of the [ffn, rows] copy, less the one-element scale copy delayed scaling keeps
-    assert layers * (ffn * rows - 8) <= less <= layers * ffn * rows, (less, layers * ffn * rows)
+    layers = len(kept.model.layers)
+    # one byte per element of the [width, rows] copy, less the one-element scale copy delayed scaling keeps
+    assert layers * (width * rows - 8) <= less <= layers * width * rows, (less, layers * width * rows)
 
 
 @needs_fp8
@@ -750,24 +758,7 @@ def test_attention_projection_keeps_the_attention_output_under_fp8():
     assert all(layer.proj.save_original_input for layer in lean.model.layers)
     for layer in copy_kept.model.layers:
         layer.proj.save_original_input = False
-    results = []
-    for model in (copy_kept, lean):
-        for _ in range(2):  # (the second step runs on the scales the first one's update made)
-            out, saved = _saved_bytes(lambda: model(ids, attention_mask=mask, labels=labels))
-            out.loss.backward()
-            grads = hf_named_tensors(model)
-            model.zero_grad()
-        results.append((out.loss.detach(), grads, saved))
-    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
-    assert torch.equal(loss_a, loss_b)
-    for n, g in grads_a.items():
-        assert (g is None) == (grads_b[n] is None) and (g is None or torch.equal(g, grads_b[n])), n
-    rows = (ids.numel() + 15) // 16 * 16  # (FP8 copies carry the token rows padded to 16)
-    width = copy_kept.model.layers[0].proj.in_features
-    layers = len(copy_kept.model.layers)
-    less = saved_a - saved_b
-    # one byte per element of the [width, rows] copy, less the one-element scale copy delayed scaling keeps
-    assert layers * (width * rows - 8) <= less <= layers * width * rows, (less, layers * width * rows)
+    _same_bits_one_fp8_copy_less(copy_kept, lean, ids, mask, labels, copy_kept.model.layers[0].proj.in_features)
 
 
 def test_recompute_activation_argument_rules():
