@@ -581,3 +581,28 @@ def test_default_chunk_size_rule():
     for n in (300, 5000, 9000, 70000):
         rows = default_chunk_size(n, v, 2)
         assert rows == n or (rows % 256 == 0 and 256 <= rows and rows * v * 2 <= 512 << 20), (n, rows)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_default_chunk_counts_the_fp8_copies(fp8, monkeypatch):
+    """The default chunk's budget counts what a chunk holds per logit: its
+    bytes in the hidden states' dtype, and under fp8_recipe also the
+    gradient's FP8 copy and its transpose (twice the bf16 logits' bytes)."""
+    import importlib
+
+    from seqfuse.common.recipe import Float8CurrentScaling
+
+    ce = importlib.import_module("seqfuse.modules.cross_entropy")
+    seen = []
+    rule = ce.default_chunk_size
+
+    def spy(n, v, element_size, budget_bytes=None):
+        seen.append(element_size)
+        return rule(n, v, element_size, budget_bytes)
+
+    monkeypatch.setattr(ce, "default_chunk_size", spy)
+    hidden = torch.randn(64, 32).to(torch.bfloat16).requires_grad_(True)
+    weight = (torch.randn(128, 32) * 0.3).to(torch.bfloat16).requires_grad_(True)
+    labels = make_labels(64, 128)
+    linear_cross_entropy(hidden, weight, labels, fp8_recipe=Float8CurrentScaling() if fp8 else None).backward()
+    assert seen == [4 if fp8 else 2]

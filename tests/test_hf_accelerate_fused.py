@@ -442,7 +442,7 @@ def test_cuda_llama_bf16_and_fp8(recipe_name):
 @pytest.mark.cuda
 def test_cuda_fused_loss_memory_is_one_chunk():
     """The labels path's loss (seqfuse.hf.fused_loss) at 32,768 tokens and a
-    32k vocabulary (four chunks of the default 512 MiB of logits at this size)
+    32k vocabulary (four chunks of 8,192 rows, 500 MiB of logits each, the default at this size)
     holds at most one chunk of logits: its peak beyond the inputs is bounded
     by one chunk's bf16 logits, the weight gradient (summed in bf16: no
     float32 [V, H] buffer, 131 MB, which the bound's slack does not cover)

@@ -124,8 +124,10 @@ SWITCHES = {
     "act_grad_fp8": lambda: _attribute_switch(GradQuantizer, "fused_cast", property(lambda self: False)),
     "attn_residual_grad": lambda: _attribute_switch(LayerNormLinear, "forward", _forward_without_alias),
     "transient_buffers": _pool_switch,
-    # (a class property outranks the instance attribute the fused layers set)
-    "save_original_input": lambda: _attribute_switch(Linear, "save_original_input", property(lambda self: False)),
+    # (a class property outranks the instance attribute the fused layers set; its setter lets a Linear be built
+    # while the old path is on)
+    "save_original_input": lambda: _attribute_switch(Linear, "save_original_input", property(
+        lambda self: False, lambda self, value: self.__dict__.__setitem__("save_original_input", value))),
     "loss_chunk": lambda: _attribute_switch(
         CE, "default_chunk_size", lambda n, v, es, budget_bytes=256 << 20: _chunk_rule(n, v, es, budget_bytes)),
 }
@@ -167,19 +169,21 @@ def ab(steps, switch, rounds=6, per_round=6):
     set_new, set_old = switch
     times = {"new": [], "old": []}
     modes = (("new", set_new), ("old", set_old))
-    for _, use in modes:
-        use()
-        steps(3)
-    for r in range(rounds):
-        for name, use in (modes if r % 2 == 0 else modes[::-1]):
+    try:
+        for _, use in modes:
             use()
-            steps(1)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            steps(per_round)
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t0) / per_round * 1e3)
-    set_new()
+            steps(3)
+        for r in range(rounds):
+            for name, use in (modes if r % 2 == 0 else modes[::-1]):
+                use()
+                steps(1)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                steps(per_round)
+                torch.cuda.synchronize()
+                times[name].append((time.perf_counter() - t0) / per_round * 1e3)
+    finally:
+        set_new()  # (the fusion on again, whatever happened)
     return times
 
 
@@ -188,20 +192,22 @@ def kernel_times(steps, switch, n=3):
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
-    for name, use in zip(("new", "old"), switch):
-        use()
-        steps(2)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            steps(n)
+    try:
+        for name, use in zip(("new", "old"), switch):
+            use()
+            steps(2)
             torch.cuda.synchronize()
-        per = {}
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t and ev.key and not ev.key.startswith("aten::") and not ev.key.startswith("cuda"):
-                per[ev.key] = per.get(ev.key, 0.0) + t / n
-        out[name] = per
-    switch[0]()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                steps(n)
+                torch.cuda.synchronize()
+            per = {}
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if t and ev.key and not ev.key.startswith("aten::") and not ev.key.startswith("cuda"):
+                    per[ev.key] = per.get(ev.key, 0.0) + t / n
+            out[name] = per
+    finally:
+        switch[0]()
     return out
 
 
@@ -213,8 +219,8 @@ def report_kernels(label, per, top=0):
         print(f"{label}: the {top} kernels with the most GPU time per step (new)")
         for k in sorted(new, key=lambda k: -new[k])[:top]:
             print(f"   {new[k]:9.1f} us  {k[:130]}")
-    print(f"{label}: GPU kernel time per step new {sum(new.values()) / 1e3:.2f} ms, old {sum(old.values()) / 1e3:.2f} ms",
-          flush=True)
+    print(f"{label}: GPU kernel time per step new {sum(new.values()) / 1e3:.2f} ms, "
+          f"old {sum(old.values()) / 1e3:.2f} ms", flush=True)
     diff = sorted(set(new) | set(old), key=lambda k: -abs(new.get(k, 0.0) - old.get(k, 0.0)))
     for k in diff[:8]:
         print(f"   {new.get(k, 0.0) - old.get(k, 0.0):+9.1f} us  new {new.get(k, 0.0):8.1f}  old {old.get(k, 0.0):8.1f}"

@@ -192,7 +192,9 @@ def default_chunk_size(n, v, element_size, budget_bytes=None):
     logits takes at most ``budget_bytes``; by default a quarter of the full
     [n, v] logits, kept between 256 and 512 MiB (a 128k vocabulary in bf16:
     1,024 rows at 4,096 tokens, four chunks; 2,048 rows from 8,192 tokens
-    on).  The chunk's logits are the loss's transient memory at the end of
+    on).  ``element_size``: the bytes a chunk holds per logit (the FP8 path
+    passes twice the logits' own: its gradient's FP8 copy and transpose
+    live beside them).  The chunk's logits are the loss's transient memory at the end of
     the forward, where a model's saved activations peak; each chunk after
     the first reads and writes the weight gradient once more in its GEMM
     (2 V H bytes each way in bf16: 0.5 GB at a 128k vocabulary and H 2048),
@@ -230,7 +232,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = (1.0 / count).reshape(1) if reduction == "mean" else torch.ones(1, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        chunk = chunk_size or default_chunk_size(n, v, hidden.element_size())
+        # (under FP8 a chunk also holds its gradient's FP8 copy and that copy's transpose: twice the logits' bytes)
+        chunk = chunk_size or default_chunk_size(n, v, hidden.element_size() * (2 if fp8 else 1))
         weight_dtype = weight.dtype
         # the GEMMs sum the weight gradient over the chunks in the weight's dtype where that is their
         # output dtype (hidden's), unless weight_grad_dtype asks for a float32 buffer: one chunk (the
