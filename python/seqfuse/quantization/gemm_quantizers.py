@@ -376,7 +376,7 @@ class _Role:
             qops.cast_fp8_current_into(x, amax, scale, scale_inv, out, out_t, o.margin, sums, db)
         return Float8Tensor(out, scale_inv, fp8_dtype, data_t=out_t, dtype=x.dtype, shape=x.shape), db
 
-    def quantize(self, x, transpose=True, transient=False):
+    def quantize(self, x, transpose=True, transient=False, keep_scale=False):
         """x [M, K] -> Float8Tensor whose data (and data_t) carry
         ``padded_rows(M)`` token rows, the extra ones zero; ``shape`` stays
         x's.  Block scaling: a Float8BlockTensor with the row-wise and (if
@@ -385,7 +385,9 @@ class _Role:
         are the hand-padded computation's bit for bit at no extra pass.
         ``transient`` (a module's forward that reads the row-wise copy only
         in its GEMM and keeps the transposed one): the row-wise copy is a
-        transient buffer (input_place)."""
+        transient buffer (input_place).  ``keep_scale`` (delayed scaling
+        alone: InputQuantizer.quantize_source_kept): returns (the operand, a
+        copy of the scale it was cast with)."""
         m = x.shape[0]
         mp = padded_rows(m)
         rows = None if mp == m else mp
@@ -394,7 +396,7 @@ class _Role:
         place = self.input_place(x) if transient else None
         if self.owner.kind == "block":
             return self._block_cast(x, rows, row_place=place)
-        return self._cast(x, transpose, rows=rows, row_place=place)
+        return self._cast(x, transpose, rows=rows, row_place=place, keep_scale=keep_scale)
 
     def input_place(self, x):
         """The transient place of this role's row-wise FP8 copy of ``x`` in a
@@ -515,12 +517,9 @@ class InputQuantizer(_Role):
         quantize(transpose=False, transient=True) makes it; the scale it was
         cast with under delayed scaling, a copy, else None): what
         columnwise_again takes with x in the backward."""
-        o = self.owner
-        if o.kind != "delayed":
+        if self.owner.kind != "delayed":
             return self.quantize(x, transpose=False, transient=True), None
-        m = x.shape[0]
-        mp = padded_rows(m)
-        return self._cast(x, False, rows=None if mp == m else mp, row_place=self.input_place(x), keep_scale=True)
+        return self.quantize(x, transpose=False, transient=True, keep_scale=True)
 
     def columnwise_again(self, x, scale):
         """x's transposed FP8 copy for the weight-gradient GEMM, made in the
