@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "hf"))
 
 import bench_accelerate  # noqa: E402
+from helpers import FP8_DLPACK  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["train", "prefill"])
@@ -187,9 +188,12 @@ def test_fusion_ab_switches_patch_and_restore():
               "attn_residual_grad": [(fusion_ab.LayerNormLinear, "forward")],
               "transient_buffers": [(fusion_ab.buffers, "TRANSIENT_POOL_BYTES")],
               "save_original_input": [(fusion_ab.Linear, "save_original_input")],
-              "loss_chunk": [(fusion_ab.CE, "default_chunk_size")]}
+              "loss_chunk": [(fusion_ab.CE, "default_chunk_size")],
+              "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
+        if name == "weight_history":  # (the other way round: its new mode patches an opt-in in; below)
+            continue
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
         set_new, set_old = fusion_ab.SWITCHES[name]()
         set_old()
@@ -222,6 +226,36 @@ def test_fusion_ab_switches_patch_and_restore():
         finally:
             set_new()
         assert read() == new_value, name
+    # weight_history: its new mode patches the opt-in history scale in (a delayed-scaling Linear's re-cast after
+    # an optimizer step then skips the one-launch own-amax cast), its old mode restores the default
+    if FP8_DLPACK:
+        from seqfuse.common.recipe import DelayedScaling
+        from seqfuse.ops import quant as qops
+        import seqfuse.pytorch as te
+
+        original = fusion_ab.WeightQuantizer.__dict__["_cast_into"]
+        lin = fusion_ab.Linear(32, 32, device="cpu")
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        log = []
+        real = qops.cast_fp8_current_into
+        set_new, set_old = fusion_ab.SWITCHES["weight_history"]()
+        try:
+            qops.cast_fp8_current_into = lambda *a, **k: (log.append("own amax"), real(*a, **k))[1]
+            for name, mode in (("new", set_new), ("old", set_old)):
+                mode()
+                for _ in range(2):
+                    with te.autocast(recipe=DelayedScaling()):
+                        lin(torch.randn(16, 32)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                log.append(name)
+        finally:
+            qops.cast_fp8_current_into = real
+            set_old()
+        # (new: the first cast from its own amax, the re-cast after the step from the history; old: both own)
+        assert log == ["own amax", "new", "own amax", "own amax", "old"], log
+        assert fusion_ab.WeightQuantizer.__dict__["_cast_into"] is original
+        assert not lin._fp8_quantizers.weight_history
 
 
 def test_fusion_ab_alternates_which_mode_goes_first(monkeypatch):

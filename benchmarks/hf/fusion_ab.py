@@ -26,6 +26,11 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   keeping the FP8 copy
   loss_chunk      linear_cross_entropy's default chunk (a quarter of the
                   logits within 256-512 MiB) against 256 MiB chunks
+  weight_history  delayed scaling's weight re-casts after optimizer steps
+                  with the scale of the weight's amax history (one pass
+                  over the weight: the opt-in fp8_weight_history = True on
+                  every module) against casts from its own amax (an amax
+                  pass, then the cast: the default)
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -58,7 +63,7 @@ from seqfuse.modules.layernorm_linear import LayerNormLinear  # noqa: E402
 from seqfuse.modules.linear import Linear  # noqa: E402
 from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
 from seqfuse.ops import buffers  # noqa: E402
-from seqfuse.quantization.gemm_quantizers import GradQuantizer  # noqa: E402
+from seqfuse.quantization.gemm_quantizers import GradQuantizer, WeightQuantizer  # noqa: E402
 
 
 def _old_split_qkv_rope(mixed, freqs, heads, kv_heads, d):
@@ -116,6 +121,27 @@ def _forward_without_alias(self, inp, is_first_microbatch=None, fp8_output=False
     return out + (inp,) if isinstance(out, tuple) else (out, inp)
 
 
+_own_amax_cast = WeightQuantizer._cast_into
+
+
+def _cast_with_history(self, w, scale_inv, data, data_t, in_capture=None, stepped=False):
+    """WeightQuantizer._cast_into as a module with fp8_weight_history True
+    casts under delayed scaling: re-casts after optimizer steps with the
+    history's scale."""
+    o = self.owner
+    kept, o.weight_history = o.weight_history, o.kind == "delayed"
+    try:
+        return _own_amax_cast(self, w, scale_inv, data, data_t, in_capture, stepped)
+    finally:
+        o.weight_history = kept
+
+
+def _weight_history_switch():
+    """(history scale on every module, the default): the new mode patches the opt-in in."""
+    return (lambda: setattr(WeightQuantizer, "_cast_into", _cast_with_history),
+            lambda: setattr(WeightQuantizer, "_cast_into", _own_amax_cast))
+
+
 SWITCHES = {
     "split_qkv_rope": lambda: _attribute_switch(FL, "split_qkv_rope", _old_split_qkv_rope),
     "residual": lambda: _together(
@@ -130,6 +156,7 @@ SWITCHES = {
         lambda self: False, lambda self, value: self.__dict__.__setitem__("save_original_input", value))),
     "loss_chunk": lambda: _attribute_switch(
         CE, "default_chunk_size", lambda n, v, es, budget_bytes=256 << 20: _chunk_rule(n, v, es, budget_bytes)),
+    "weight_history": _weight_history_switch,
 }
 
 

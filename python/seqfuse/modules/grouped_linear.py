@@ -643,6 +643,7 @@ class GroupedLinear(torch.nn.Module):
     def _quantizers(self, recipe, device):
         """This module's GemmQuantizers under ``recipe`` (per-tensor recipes only)."""
         q = _gq.quantizers_for(self, recipe, device)
+        q.weight_history = False  # (the one-launch cast of every expert's weight takes each one's own amax)
         return q
 
     def prefetch_fp8_weights(self, is_first_microbatch=None):

@@ -31,6 +31,21 @@ view).  Zero rows add nothing to the weight and bias gradients, and the
 amaxes are taken over the real rows only, so the real rows' results are the
 aligned computation's.  Aligned inputs take exactly the old path.
 
+A weight's cast takes its scale from the weight's own amax (an amax pass,
+then the cast, in one launch), under delayed scaling too, where that amax
+is written into the state's weight slot: a first step, a frozen weight or
+a weight written outside an optimizer never runs on a stale scale, and a
+resumed run or one with validation passes casts the same bytes as an
+uninterrupted one.  Opt-in (``module.fp8_weight_history = True`` before
+its first FP8 call, read when it adopts a recipe; Linear, LayerNormLinear
+and LayerNormMLP): under delayed scaling a re-cast of a weight that only
+optimizer steps changed since its last cast takes the scale of its amax
+history, as Transformer Engine's casts do: one pass over the weight instead
+of two.  That trades those guarantees away: a weight that outgrew its
+history saturates for a step, and a resumed run's first cast, or a cast a
+validation pass made, takes its own amax where the uninterrupted run took
+the history's.
+
 Weights are cast once per weight update: WeightQuantizer keeps the FP8
 weight and its transposed copy keyed on the parameter's identity, device,
 data pointer and version counter (an optimizer step bumps the version).  A
@@ -698,10 +713,11 @@ class GradQuantizer(_Role):
 
 
 class WeightQuantizer(_Role):
-    """The weight, cast once per weight update (see the module note).
-    Per-tensor recipes scale the weight from its own amax at the cast (so a
-    first step or a frozen weight never runs on a stale scale); under
-    delayed scaling that amax also lands in the state's weight slot."""
+    """The weight, cast once per weight update (see the module note), from
+    its own amax (under delayed scaling that amax also lands in the state's
+    weight slot), or with the history's scale where a module opted in
+    (``fp8_weight_history``: _cast_into).  A cached cast keeps its own scale
+    inverse, so a later scale update never changes bytes already cast."""
     __slots__ = ("key", "param", "pair", "casts", "captured", "inference", "reused")
     _caches = _Role._caches + ("key", "param", "pair", "captured", "inference", "reused")
     _captured_reuse_logged = []
@@ -751,7 +767,8 @@ class WeightQuantizer(_Role):
             spare = self._spare(note, grad)
             if lean and not in_capture and spare is not None and spare[0].data is None:
                 w = self._rowwise_buffer(self._transposed_bytes(spare))
-            pair = self.store(note, *self._cast_weight(weight.detach(), grad, spare, in_capture, rowwise=w))
+            pair = self.store(note, *self._cast_weight(weight.detach(), grad, spare, in_capture, rowwise=w,
+                                                       stepped=_stepped(self.key, note[0])))
         elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
         if pair is not self.pair:  # (an FSDP2-gathered weight's pair: nothing kept here)
@@ -884,7 +901,8 @@ class WeightQuantizer(_Role):
         if lean and q.data is None:  # (W into the transient buffer, W^T into the cached one)
             w = self._rowwise_buffer(self._transposed_bytes(pair))
         # (no detach: the C entries take a tensor that requires grad as its memory)
-        self._recast(weight, pair, rowwise=w)
+        old = key[5][0]
+        self._recast(weight, pair, rowwise=w, stepped=stamp[0] == old[0] and stamp[2] > old[2])
         self.casts += 1
         self.key = (*key[:5], (stamp,))
         return self._rowwise_answer(pair, lean, w)
@@ -958,47 +976,66 @@ class WeightQuantizer(_Role):
             self.key, self.param = key, tuple(src)
         return pair
 
-    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None, rowwise=None):
+    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None, rowwise=None, stepped=False):
         """(the operand pair, the (amax, scale) scratch the cast used or None);
         ``transposed`` False: the input-gradient operand left out (None).
         ``spare``: a cached pair of this weight's shape and request whose
         buffers the cast writes (_spare's; none for block scaling's forward
         operand alone); it is then the pair returned.  ``in_capture``: as
-        lookup's.  ``rowwise``: with ``spare``, _recast's."""
+        lookup's.  ``rowwise``: with ``spare``, _recast's.  ``stepped``:
+        _cast_into's."""
         o = self.owner
         if o.kind == "block":
             if not transposed:  # (no spare: _spare offers none here)
                 return (quantize_block(w, 128, self.fp8_dtype), None), None
             # W and W^T's 128x128 blocks (bytes and scales) in one call
             if spare is not None:
-                return spare, self._recast(w, spare, in_capture, rowwise)
+                return spare, self._recast(w, spare, in_capture, rowwise, stepped)
             w = w.contiguous()
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
             return (Float8BlockTensor(data, si, 128, dtype=w.dtype, shape=w.shape),
                     Float8BlockTensor(data_t, si_t, 128, dtype=w.dtype)), None
         if spare is not None:
-            return spare, self._recast(w, spare, in_capture, rowwise)
-        scratch, amax, scale = self._weight_scratch(w, in_capture)
+            return spare, self._recast(w, spare, in_capture, rowwise, stepped)
         fp8_dtype = self.fp8_dtype
         dev = w.device
         k = w.shape[-1]
         scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
         data = torch.empty(*w.shape, dtype=fp8_dtype, device=dev)
         data_t = torch.empty(k, w.numel() // k if k else 0, dtype=fp8_dtype, device=dev) if transposed else None
-        qops.cast_fp8_current_into(w.contiguous(), amax, scale, scale_inv, data, data_t, o.margin)
+        scratch = self._cast_into(w, scale_inv, data, data_t, in_capture, stepped)
         q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
         return (q, q if transposed else None), scratch
 
-    def _weight_scratch(self, w, in_capture=None):
-        """(scratch, amax, scale) of a per-tensor cast of the weight ``w``:
-        current scaling of the weight from its own amax (under delayed
-        scaling written into the state's weight slot)."""
-        scratch = self._scratch(w, in_capture)
+    def _cast_into(self, w, scale_inv, data, data_t, in_capture=None, stepped=False):
+        """The per-tensor cast of the weight ``w`` into ``data`` [N, K] and
+        ``data_t`` [K, N] (or None) with its scale inverse: from w's own amax
+        (an amax pass, then the cast, in one launch; under delayed scaling
+        that amax written into the state's weight slot).  In a module that
+        opted in (``fp8_weight_history``: GemmQuantizers.adopt), under
+        delayed scaling, where the weight changed since its last cast through
+        optimizer steps alone (``stepped``: _stepped's answer, a training
+        loop's re-cast; not a first cast, a copy, a load, an in-place rescale
+        or a cast under CUDA graph capture): with the scale of the weight's
+        amax history, as every other tensor of the recipe (before any
+        history, from its own amax: quantize.state_cast_args), its amax
+        folded into the state's weight slot, one pass over w.  Returns the
+        (amax, scale) scratch an own-amax cast used, or None."""
         o = self.owner
-        return scratch, (o.state.amax_of(self.index) if o.kind == "delayed" else scratch[0]), scratch[1]
+        w = w.contiguous()
+        if stepped and o.weight_history:
+            scale, amax, _ = state_cast_args(o.state, self.index, w)
+            qops.cast_fp8_into(w, scale, amax, data, data_t, scale_inv)
+            return None
+        scratch = self._scratch(w, in_capture)
+        amax = o.state.amax_of(self.index) if o.kind == "delayed" else scratch[0]
+        qops.cast_fp8_current_into(w, amax, scratch[1], scale_inv, data, data_t, o.margin)
+        if o.weight_history and not o.state.has_history(self.index):
+            o.state.note_first_cast(self.index)  # (its amax is in the slot: a history from the next update on)
+        return scratch
 
-    def _recast(self, w, spare, in_capture=False, rowwise=None):
+    def _recast(self, w, spare, in_capture=False, rowwise=None, stepped=False):
         """Cast the weight ``w`` into the buffers of the cached pair ``spare``
         (_spare's or _steady's: _writable holds), both copies in one call;
         returns the (amax, scale) scratch the cast used, or None.
@@ -1017,8 +1054,7 @@ class WeightQuantizer(_Role):
             qops.quantize_block_fp8_weight_into(w.contiguous(), data, q.scale_inv, qt.data, qt.scale_inv)
             written_in_place(q.scale_inv, qt.scale_inv)
             return None
-        scratch, amax, scale = self._weight_scratch(w, in_capture)
-        qops.cast_fp8_current_into(w.contiguous(), amax, scale, q.scale_inv, data, q.data_t, o.margin)
+        scratch = self._cast_into(w, q.scale_inv, data, q.data_t, in_capture, stepped)
         increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
         return scratch
 
@@ -1083,6 +1119,16 @@ def weight_key(src, *head):
     if len(src) == 1:  # (a module's own weight: the common case, without a comprehension)
         return (*head, (_stamp(src[0]),))
     return (*head, tuple([_stamp(t) for t in src]))
+
+
+def _stepped(old, new):
+    """Whether the weight keyed ``new`` was last cast under the key ``old``
+    and changed since by optimizer steps alone, as far as the keys tell: the
+    same cast settings and, for every source, the same storage with more
+    torch.optim steps over it (WeightQuantizer._cast_into's rule)."""
+    if old is None or old[:5] != new[:5] or len(old[5]) != len(new[5]):
+        return False
+    return all(a[0] == b[0] and b[2] > a[2] for a, b in zip(old[5], new[5]))
 
 
 def _stamp(t):
@@ -1193,12 +1239,14 @@ class GemmQuantizers:
     ``inputs[g]``, ``weights[g]``, ``grads[g]``; ``state`` (delayed scaling:
     the module's ScalingState of 3 x num_gemms tensors, else None)."""
 
-    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads", "weight_list")
+    __slots__ = ("cls", "num_gemms", "recipe", "kind", "state", "inputs", "weights", "grads", "weight_list",
+                 "weight_history")
     _caches = ("weight_list",)
 
     def __init__(self, cls, num_gemms):
         self.cls, self.num_gemms = cls, num_gemms
         self.recipe = self.kind = self.state = None
+        self.weight_history = False
         self.inputs = [InputQuantizer(self, 3 * g) for g in range(num_gemms)]
         self.weights = [WeightQuantizer(self, 3 * g + 1) for g in range(num_gemms)]
         self.grads = [GradQuantizer(self, 3 * g + 2) for g in range(num_gemms)]
@@ -1233,6 +1281,9 @@ class GemmQuantizers:
         kind = recipe_kind(recipe, self.cls)
         check_features(self.cls, kind, *module.fp8_features())
         self.recipe, self.kind = recipe, kind
+        # the opt-in history scale of the weights' re-casts (the module note; GroupedLinear's one-launch
+        # cast of every expert's weight takes each one's own amax whatever the attribute)
+        self.weight_history = kind == "delayed" and getattr(module, "fp8_weight_history", False) is True
         if kind == "delayed":
             state = getattr(module, "fp8_state", None)
             if state is None:
