@@ -768,7 +768,7 @@ class WeightQuantizer(_Role):
             if lean and not in_capture and spare is not None and spare[0].data is None:
                 w = self._rowwise_buffer(self._transposed_bytes(spare))
             pair = self.store(note, *self._cast_weight(weight.detach(), grad, spare, in_capture, rowwise=w,
-                                                       stepped=_stepped(self.key, note[0])))
+                                                       stepped=not in_capture and _stepped(self.key, note[0])))
         elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
         if pair is not self.pair:  # (an FSDP2-gathered weight's pair: nothing kept here)
@@ -1125,7 +1125,9 @@ def _stepped(old, new):
     """Whether the weight keyed ``new`` was last cast under the key ``old``
     and changed since by optimizer steps alone, as far as the keys tell: the
     same cast settings and, for every source, the same storage with more
-    torch.optim steps over it (WeightQuantizer._cast_into's rule)."""
+    torch.optim steps over it (WeightQuantizer._cast_into's rule).  The
+    version counter is not compared: an in-place write in the same interval
+    as an optimizer step (a clamp_ after the step) is not told apart."""
     if old is None or old[:5] != new[:5] or len(old[5]) != len(new[5]):
         return False
     return all(a[0] == b[0] and b[2] > a[2] for a, b in zip(old[5], new[5]))
