@@ -400,6 +400,28 @@ def test_multi_tensor_scale(seed):
     assert torch.equal(ts[0], ref[0]) and torch.equal(ts[1], ref[1].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_multi_tensor_scale_by_one_keeps_every_bit(device, seed):
+    """A scale of exactly 1 leaves every bit as it was (the pass is skipped:
+    NaN payloads, -0 and infinities included); the next float32 above 1
+    multiplies."""
+    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-40, 3.0])
+    f32 = torch.cat([torch.randn(5000), special]).to(device)
+    f32.view(torch.int32)[0] = 0x7FC00123  # (a NaN with a payload)
+    bf16 = torch.cat([torch.randn(3000), special]).to(device, torch.bfloat16)
+    bf16.view(torch.int16)[0] = 0x7FC3
+    ts = [f32, bf16]
+    before = [t.clone() for t in ts]
+    multi_tensor_scale(ts, torch.ones((), device=device))
+    assert all(torch.equal(t.view(torch.uint8), b.view(torch.uint8)) for t, b in zip(ts, before))
+    up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    multi_tensor_scale(ts, up.to(device))
+    ref = before[0].double() * up.double()
+    finite = torch.isfinite(ref) & (ref != 0)
+    assert not torch.equal(ts[0][finite], before[0][finite])
+    assert torch.equal(ts[0][finite], (before[0][finite] * up.to(device))), "float32: one rounding of x * s"
+
+
 def test_many_tensors_cross_launch_boundaries(seed):
     """More tensors than one launch's table holds (64 for AdamW)."""
     params = make_params(torch.float32, shapes=[(i % 5 + 1,) for i in range(150)])

@@ -116,6 +116,26 @@ def test_extreme_logits_stay_finite():
     assert torch.allclose(loss.double(), ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_linear_cross_entropy_scales_by_the_loss_gradient(device, seed):
+    """The gradients the forward made for a loss gradient of 1 are scaled by
+    the actual one in the backward: 1 leaves them as made, 1/3 multiplies in
+    float32 and rounds once to bfloat16 (seqfuse.ops.multi_tensor_scale)."""
+    n, h, v = 64, 32, 96
+    hidden = torch.randn(n, h).to(device, torch.bfloat16)
+    weight = (torch.randn(v, h) * 0.3).to(device, torch.bfloat16)
+    labels = make_labels(n, v).to(device)
+    grads = {}
+    for g in (1.0, 1.0 / 3.0):
+        hd, wd = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = linear_cross_entropy(hd, wd, labels, chunk_size=32)
+        loss.backward(torch.tensor(g, device=device))
+        grads[g] = (hd.grad, wd.grad)
+    third = torch.tensor(1.0 / 3.0, dtype=torch.float32)
+    for one, scaled in zip(grads[1.0], grads[1.0 / 3.0]):
+        assert torch.equal(scaled.cpu(), (one.cpu().float() * third).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("chunk", [None, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "hf"))
 
 import bench_accelerate  # noqa: E402
-from helpers import FP8_DLPACK  # noqa: E402
+from helpers import FP8_DLPACK, needs_fp8  # noqa: E402
 
 
 @pytest.mark.parametrize("mode", ["train", "prefill"])
@@ -93,6 +93,36 @@ def test_bench_accelerate_keep_rows(tmp_path):
                       ("seqfuse_bf16", True), ("seqfuse_bf16_keep", False), ("seqfuse_fp8_delayed_head_keep", False)):
         mlps = [m for m in bench_accelerate.prepare(row, base, family)[0].modules() if isinstance(m, LayerNormMLP)]
         assert len(mlps) == 2 and all(m.recompute_activation is want for m in mlps), row
+
+
+@needs_fp8
+def test_bench_accelerate_history_rows(monkeypatch):
+    """A _history row is its row with fp8_weight_history = True on every FP8
+    GEMM module of the fused model; after an optimizer step its weights'
+    re-casts skip the own-amax cast, which the plain row makes at every
+    cast."""
+    from seqfuse.ops import quant as qops
+
+    base, family = bench_accelerate.build_base("tiny", None, torch.device("cpu"))
+    casts = {}
+    real = qops.cast_fp8_current_into
+    for row in ("seqfuse_fp8_delayed", "seqfuse_fp8_delayed_history"):
+        model, note = bench_accelerate.prepare(row, base, family)
+        gemm_modules = [m for m in model.modules() if getattr(type(m), "fp8_num_gemms", 0)]
+        assert gemm_modules and all(getattr(m, "fp8_weight_history", False) is row.endswith("_history")
+                                    for m in gemm_modules), row
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, model.config.vocab_size, (1, 32))
+        n = casts[row] = []
+        monkeypatch.setattr(qops, "cast_fp8_current_into", lambda *a, **k: (n.append(1), real(*a, **k))[1])
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    # the plain row casts every weight from its own amax at each of the three steps, the _history row at the
+    # first alone: two steps' worth of weights fewer (other own-amax casts, the same in both rows, aside)
+    weights = sum(type(m).fp8_num_gemms for m in gemm_modules)
+    assert len(casts["seqfuse_fp8_delayed"]) - len(casts["seqfuse_fp8_delayed_history"]) == 2 * weights, casts
 
 
 def test_bench_accelerate_torchao_row_says_when_torchao_is_missing(monkeypatch):
@@ -189,7 +219,8 @@ def test_fusion_ab_switches_patch_and_restore():
               "transient_buffers": [(fusion_ab.buffers, "TRANSIENT_POOL_BYTES")],
               "save_original_input": [(fusion_ab.Linear, "save_original_input")],
               "loss_chunk": [(fusion_ab.CE, "default_chunk_size")],
-              "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")]}
+              "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")],
+              "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         if name == "weight_history":  # (the other way round: its new mode patches an opt-in in; below)

@@ -26,6 +26,10 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   keeping the FP8 copy
   loss_chunk      linear_cross_entropy's default chunk (a quarter of the
                   logits within 256-512 MiB) against 256 MiB chunks
+  loss_grad_scale  the fused loss's gradients scaled by the loss's gradient
+                  with seqfuse's multi-tensor scale (no pass when it is 1)
+                  against torch's multiply of each (a pass over the LM
+                  head's weight gradient)
   weight_history  delayed scaling's weight re-casts after optimizer steps
                   with the scale of the weight's amax history (one pass
                   over the weight: the opt-in fp8_weight_history = True on
@@ -121,6 +125,13 @@ def _forward_without_alias(self, inp, is_first_microbatch=None, fp8_output=False
     return out + (inp,) if isinstance(out, tuple) else (out, inp)
 
 
+def _scale_with_torch(grads, g):
+    """The fused loss's gradient scaling before multi_tensor_scale: torch's
+    multiply of each gradient by the loss's gradient in its dtype."""
+    for t in grads:
+        t.mul_(g.to(t.dtype))
+
+
 _own_amax_cast = WeightQuantizer._cast_into
 
 
@@ -157,6 +168,7 @@ SWITCHES = {
     "loss_chunk": lambda: _attribute_switch(
         CE, "default_chunk_size", lambda n, v, es, budget_bytes=256 << 20: _chunk_rule(n, v, es, budget_bytes)),
     "weight_history": _weight_history_switch,
+    "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
 }
 
 

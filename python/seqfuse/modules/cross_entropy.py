@@ -44,6 +44,7 @@ import math
 import torch
 
 from ..ops import loss as _loss
+from ..ops import optim as _optim
 from ..ops.args import as_float as _as_float
 from ..ops.args import as_int as _as_int
 from ..ops import pending_errors as _pending
@@ -208,6 +209,25 @@ def default_chunk_size(n, v, element_size, budget_bytes=None):
     return min(n, rows) if n > 0 else 1
 
 
+_SCALABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def scale_by_loss_grad(grads, g):
+    """Multiply the gradients ``grads`` the forward made (for a loss gradient
+    of 1) by the loss's actual gradient ``g``, in place.  ``g`` lives on the
+    device and is 1 in a plain ``loss.backward()``: seqfuse's multi-tensor
+    scale then skips the pass over the gradients (the LM head's weight
+    gradient is V x H: 0.5 GB at a 128k vocabulary and H 2,048) without the
+    host reading ``g``.  The product is taken in float32 and rounded once;
+    gradients of another dtype or layout take torch's multiply."""
+    fast = [t for t in grads if t.dtype in _SCALABLE and t.is_contiguous() and t.device == g.device]
+    if fast:
+        _optim.multi_tensor_scale(fast, g.to(torch.float32).reshape(()))
+    for t in grads:
+        if not any(t is f for f in fast):
+            t.mul_(g.to(t.dtype))
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Chunked hidden @ weight.T + cross-entropy; gradients made in the forward."""
 
@@ -279,10 +299,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         _pending.raise_pending()  # a bad label a chunk's kernel recorded, if it has finished
         grad_h, grad_w, grad_b = ctx.saved_tensors
         g = grad_out.detach()
-        if grad_h is not None:
-            grad_h = grad_h.mul_(g.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(g.to(grad_w.dtype))
+        scale_by_loss_grad([t for t in (grad_h, grad_w) if t is not None], g)
         if grad_b is not None:
             grad_b = (grad_b * g).to(ctx.bias_dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None

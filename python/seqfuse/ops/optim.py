@@ -83,7 +83,9 @@ def multi_tensor_l2norm(tensors, out=None):
 
 def multi_tensor_scale(tensors, scale):
     """x *= scale for every tensor, in place; ``scale`` a float32 tensor with
-    one element on the tensors' device (read by the kernel, not the host)."""
+    one element on the tensors' device (read by the kernel, not the host).  A
+    scale of exactly 1 leaves the tensors as they are without a pass over
+    them (x * 1 is x): one launch whose blocks return at once."""
     _check_list("multi_tensor_scale", "tensors", tensors)
     if not tensors:
         return
