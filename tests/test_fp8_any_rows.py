@@ -574,9 +574,9 @@ def test_general_path_recast_writes_rowwise_into_the_transient_buffer(recipe, se
     recast = WeightQuantizer._recast
     rowwise_given = []
 
-    def watched(self, w, spare, in_capture=False, rowwise=None, stepped=False):
+    def watched(self, w, spare, in_capture=False, rowwise=None, from_history=False):
         rowwise_given.append(rowwise is not None)
-        return recast(self, w, spare, in_capture, rowwise, stepped)
+        return recast(self, w, spare, in_capture, rowwise, from_history)
 
     monkeypatch.setattr(WeightQuantizer, "_recast", watched)
     torch.manual_seed(seed)

@@ -1,12 +1,14 @@
-"""The opt-in history scale of delayed scaling's weight re-casts.
+"""Delayed scaling's weight casts with the scale of the weight's amax history.
 
-By default a weight is cast from its own amax, under delayed scaling too.
-A module with ``fp8_weight_history = True`` casts a weight that only
-optimizer steps changed since its last cast with the scale of the weight's
-amax history, as Transformer Engine does: one pass over the weight, where
-a cast from its own amax needs two (the amax, then the cast).  Its first
-cast, and a cast after any other write (an in-place rescale here), take
-the weight's own amax.  A cast keeps its own scale inverse.
+Under DelayedScaling a weight that only optimizer steps changed since its
+last cast is cast with the scale of its amax history, as Transformer Engine
+casts it: one pass over the weight, where a cast from its own amax needs
+two (the amax, then the cast).  Its first cast, and a cast after any other
+write (an in-place rescale here), take the weight's own amax; so does every
+cast of a module with ``fp8_weight_history = False`` (GroupedLinear's
+rule).  A resumed run casts the bytes the uninterrupted run casts, and a
+validation pass under snapshot_scaling / restore_scaling changes nothing
+in training.
 
 Here an optimizer step doubles a Linear's weight between steps, so its amax
 outgrows the history: the next step takes the older, smaller amax's scale
@@ -20,6 +22,7 @@ import torch
 import seqfuse.pytorch as te
 from seqfuse.common.recipe import DelayedScaling, Float8CurrentScaling
 from seqfuse.ops import quant as qops
+from seqfuse.quantization import init_fp8_state
 
 from helpers import needs_fp8
 
@@ -77,7 +80,7 @@ def _amax(m):
 
 @needs_fp8
 @pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("history", [True, None], ids=["opted_in", "default"])
+@pytest.mark.parametrize("history", [None, False], ids=["default", "own_amax"])
 def test_weight_scale_follows_the_history(history, device, seed, monkeypatch):
     m = _linear(history, seed, device=device)
     recipe = DelayedScaling(amax_history_len=4)
@@ -94,23 +97,22 @@ def test_weight_scale_follows_the_history(history, device, seed, monkeypatch):
     for step in range(3):
         amaxes.append(_amax(m))
         q = _step(m, recipe, x)
-        if step == 0 or history is None:  # the first cast, or the default: its own amax
+        if step == 0 or history is False:  # the first cast, or the own-amax rule
             _check_cast(q, m.weight, _scale_of(amaxes[-1]), f"step {step}")
         else:  # the largest amax in the history: the weights cast before this step's
             _check_cast(q, m.weight, _scale_of(max(amaxes[:-1])), f"step {step}")
         _double_by_optimizer(m)
     weight_current = [s for s in current_casts if s == (48, 64)]
-    # the default casts from the weight's own amax (the one-launch current cast) at every step; the opt-in
-    # at the first step alone
-    assert len(weight_current) == (1 if history else 3), current_casts
+    # the own-amax rule casts with the one-launch current cast at every step; the default at the first alone
+    assert len(weight_current) == (3 if history is False else 1), current_casts
 
 
 @needs_fp8
 @pytest.mark.parametrize("device", _devices())
 def test_a_write_outside_the_optimizer_takes_its_own_amax(device, seed):
-    """An opted-in module whose weight was rescaled in place (no optimizer
-    step) casts it from its own amax: the history does not describe it."""
-    m = _linear(True, seed, device=device)
+    """A weight rescaled in place (no optimizer step) is cast from its own
+    amax: the history does not describe it."""
+    m = _linear(None, seed, device=device)
     recipe = DelayedScaling(amax_history_len=4)
     x = torch.randn(32, 64, device=device)
     old = _amax(m)
@@ -127,7 +129,7 @@ def test_a_write_outside_the_optimizer_takes_its_own_amax(device, seed):
 def test_history_scale_saturates_a_grown_weight(device, seed):
     """The step after the weight doubled: values past the old amax saturate
     at E4M3's largest finite value, never inf or NaN."""
-    m = _linear(True, seed, device=device)
+    m = _linear(None, seed, device=device)
     recipe = DelayedScaling(amax_history_len=4)
     x = torch.randn(32, 64, device=device)
     _step(m, recipe, x)
@@ -149,7 +151,7 @@ def test_current_scaling_ignores_the_attribute(seed):
     casts the weight from its own amax either way, the same bytes."""
     recipe = Float8CurrentScaling()
     outs = []
-    for history in (None, True):
+    for history in (None, False):
         m = _linear(history, seed, 64, 48)
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed))
         for _ in range(2):
@@ -183,3 +185,70 @@ def test_grouped_linear_keeps_its_own_amax(seed, monkeypatch):
         opt.step()
         opt.zero_grad()
     assert casts.count((48, 64)) == 3, casts
+
+
+def _train(m, xs, recipe, opt, validate_after=()):
+    """Training steps on ``xs``; after the steps in ``validate_after`` a
+    no_grad validation forward between snapshot_scaling and restore_scaling
+    (the recipes' trainers do the same).  Returns each step's output."""
+    from seqfuse.quantization import restore_scaling, snapshot_scaling
+
+    out = []
+    for i, x in enumerate(xs):
+        with te.autocast(recipe=recipe):
+            y = m(x)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(y.detach())
+        if i in validate_after:
+            saved = snapshot_scaling(m)
+            with torch.no_grad(), te.autocast(recipe=recipe):
+                m(x * 3)
+            restore_scaling(saved)
+    return out
+
+
+@needs_fp8
+@pytest.mark.parametrize("resume_at", [1, 2])
+def test_a_resumed_run_casts_the_uninterrupted_runs_bytes(resume_at, seed):
+    """Weights, optimizer and scaling state saved after ``resume_at`` steps
+    and loaded into a new module: its first cast takes the history's scale
+    where the uninterrupted run's re-cast does, and the outputs stay equal
+    bit for bit."""
+    recipe = DelayedScaling(amax_history_len=4)
+    xs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(seed + i)) for i in range(4)]
+    m = _linear(None, seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    whole = _train(m, xs, recipe, opt)
+    m = _linear(None, seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    first = _train(m, xs[:resume_at], recipe, opt)
+    saved = (m.state_dict(), opt.state_dict())
+    m = _linear(None, seed + 1)  # (other initial weights: the load must bring everything)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    init_fp8_state(m, recipe)  # (the module's scaling state, made for the load to fill, as a resume does)
+    m.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    rest = _train(m, xs[resume_at:], recipe, opt)
+    for i, (a, b) in enumerate(zip(whole, first + rest)):
+        assert torch.equal(a, b), f"step {i}"
+
+
+@needs_fp8
+def test_validation_passes_leave_training_unchanged(seed):
+    """A no_grad validation forward between steps (its weight casts then
+    reused by the next training call) under snapshot_scaling /
+    restore_scaling: the training outputs and the final scaling state equal
+    the run's without validation, bit for bit."""
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    xs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(seed + i)) for i in range(5)]
+    runs = []
+    for validate_after in ((), (0, 2, 3)):
+        m = _linear(None, seed)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+        runs.append((_train(m, xs, recipe, opt, validate_after), m.fp8_state.amax_history.clone(),
+                     m.fp8_state.scale.clone()))
+    for i, (a, b) in enumerate(zip(runs[0][0], runs[1][0])):
+        assert torch.equal(a, b), f"step {i}"
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])

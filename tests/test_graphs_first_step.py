@@ -18,6 +18,7 @@ import torch
 
 import seqfuse.pytorch as te
 from seqfuse.common.recipe import DelayedScaling
+from seqfuse.ops import device_checks
 from seqfuse.quantization import recompute
 
 
@@ -25,12 +26,20 @@ from seqfuse.quantization import recompute
 def fake_graphs(monkeypatch):
     """torch.cuda.make_graphed_callables' stand-in; returns the replay log."""
     replays = []
+    real_capturing = device_checks.capturing
 
     def make_graphed_callables(callables, args, num_warmup_iters=3, allow_unused_input=False, pool=None):
         out = []
         for c, a in zip(callables, args):
             for _ in range(num_warmup_iters):
                 c(*a).float().sum().backward()
+            # the capture: one forward seen as captured by seqfuse's casts (its weight casts are then the
+            # graph's own: the eager calls after it cast again, as after a real capture)
+            monkeypatch.setattr(device_checks, "capturing", lambda where=None: True)
+            try:
+                c(*a).float().sum().backward()
+            finally:
+                monkeypatch.setattr(device_checks, "capturing", real_capturing)
             eager = c.forward if isinstance(c, torch.nn.Module) else c
 
             def replay(*x, _eager=eager):

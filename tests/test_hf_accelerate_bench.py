@@ -96,21 +96,21 @@ def test_bench_accelerate_keep_rows(tmp_path):
 
 
 @needs_fp8
-def test_bench_accelerate_history_rows(monkeypatch):
-    """A _history row is its row with fp8_weight_history = True on every FP8
-    GEMM module of the fused model; after an optimizer step its weights'
-    re-casts skip the own-amax cast, which the plain row makes at every
-    cast."""
+def test_bench_accelerate_own_amax_rows(monkeypatch):
+    """An _own_amax row is its row with fp8_weight_history = False on every
+    FP8 GEMM module of the fused model: after an optimizer step its weights'
+    re-casts take the own-amax cast, which the plain row makes at the first
+    step alone (then the history's scale)."""
     from seqfuse.ops import quant as qops
 
     base, family = bench_accelerate.build_base("tiny", None, torch.device("cpu"))
     casts = {}
     real = qops.cast_fp8_current_into
-    for row in ("seqfuse_fp8_delayed", "seqfuse_fp8_delayed_history"):
+    for row in ("seqfuse_fp8_delayed", "seqfuse_fp8_delayed_own_amax"):
         model, note = bench_accelerate.prepare(row, base, family)
         gemm_modules = [m for m in model.modules() if getattr(type(m), "fp8_num_gemms", 0)]
-        assert gemm_modules and all(getattr(m, "fp8_weight_history", False) is row.endswith("_history")
-                                    for m in gemm_modules), row
+        want = not row.endswith("_own_amax")
+        assert gemm_modules and all(getattr(m, "fp8_weight_history", True) is want for m in gemm_modules), row
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, model.config.vocab_size, (1, 32))
         n = casts[row] = []
@@ -119,10 +119,10 @@ def test_bench_accelerate_history_rows(monkeypatch):
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-    # the plain row casts every weight from its own amax at each of the three steps, the _history row at the
+    # the _own_amax row casts every weight from its own amax at each of the three steps, the plain row at the
     # first alone: two steps' worth of weights fewer (other own-amax casts, the same in both rows, aside)
     weights = sum(type(m).fp8_num_gemms for m in gemm_modules)
-    assert len(casts["seqfuse_fp8_delayed"]) - len(casts["seqfuse_fp8_delayed_history"]) == 2 * weights, casts
+    assert len(casts["seqfuse_fp8_delayed_own_amax"]) - len(casts["seqfuse_fp8_delayed"]) == 2 * weights, casts
 
 
 def test_bench_accelerate_torchao_row_says_when_torchao_is_missing(monkeypatch):
@@ -223,8 +223,6 @@ def test_fusion_ab_switches_patch_and_restore():
               "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
-        if name == "weight_history":  # (the other way round: its new mode patches an opt-in in; below)
-            continue
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
         set_new, set_old = fusion_ab.SWITCHES[name]()
         set_old()
@@ -257,23 +255,22 @@ def test_fusion_ab_switches_patch_and_restore():
         finally:
             set_new()
         assert read() == new_value, name
-    # weight_history: its new mode patches the opt-in history scale in (a delayed-scaling Linear's re-cast after
-    # an optimizer step then skips the one-launch own-amax cast), its old mode restores the default
+    # weight_history: its old mode casts every weight from its own amax (fp8_weight_history False), the default
+    # (new) the re-cast after an optimizer step with the history's scale
     if FP8_DLPACK:
         from seqfuse.common.recipe import DelayedScaling
         from seqfuse.ops import quant as qops
         import seqfuse.pytorch as te
 
-        original = fusion_ab.WeightQuantizer.__dict__["_cast_into"]
-        lin = fusion_ab.Linear(32, 32, device="cpu")
-        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
         log = []
         real = qops.cast_fp8_current_into
         set_new, set_old = fusion_ab.SWITCHES["weight_history"]()
         try:
             qops.cast_fp8_current_into = lambda *a, **k: (log.append("own amax"), real(*a, **k))[1]
-            for name, mode in (("new", set_new), ("old", set_old)):
+            for name, mode in (("old", set_old), ("new", set_new)):
                 mode()
+                lin = fusion_ab.Linear(32, 32, device="cpu")
+                opt = torch.optim.SGD(lin.parameters(), lr=0.1)
                 for _ in range(2):
                     with te.autocast(recipe=DelayedScaling()):
                         lin(torch.randn(16, 32)).sum().backward()
@@ -282,11 +279,8 @@ def test_fusion_ab_switches_patch_and_restore():
                 log.append(name)
         finally:
             qops.cast_fp8_current_into = real
-            set_old()
-        # (new: the first cast from its own amax, the re-cast after the step from the history; old: both own)
-        assert log == ["own amax", "new", "own amax", "own amax", "old"], log
-        assert fusion_ab.WeightQuantizer.__dict__["_cast_into"] is original
-        assert not lin._fp8_quantizers.weight_history
+            set_new()
+        assert log == ["own amax", "own amax", "old", "own amax", "new"], log
 
 
 def test_fusion_ab_alternates_which_mode_goes_first(monkeypatch):

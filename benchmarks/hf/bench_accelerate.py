@@ -26,12 +26,12 @@ transformers' module-level rotary function is global):
                        the MLPs keep their gated activation (in bf16 one
                        [tokens, FFN] tensor a layer more kept, under FP8 its
                        transposed FP8 copy; one elementwise pass less)
-  seqfuse_fp8_delayed_history, seqfuse_fp8_delayed_head_history (and
+  seqfuse_fp8_delayed_own_amax, seqfuse_fp8_delayed_head_own_amax (and
   _fused_adamw after it)
-                       that row with ``fp8_weight_history = True`` on every
-                       FP8 GEMM module: the weights' re-casts after optimizer
-                       steps with their amax history's scale (one pass over
-                       each weight; opt-in, seqfuse.quantization's note)
+                       that row with ``fp8_weight_history = False`` on every
+                       FP8 GEMM module: every weight cast from its own amax
+                       (an amax pass, then the cast) instead of its amax
+                       history's scale (seqfuse.quantization's note)
   <seqfuse row>_fused_adamw  that row stepping seqfuse's FusedAdamW set to
                        torch AdamW's update and state (bf16 moments, no
                        master: peers/optimizers.py) instead of torch's fused
@@ -108,8 +108,8 @@ ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfus
         "seqfuse_fp8_block", "seqfuse_bf16_keep", "seqfuse_fp8_delayed_keep", "seqfuse_fp8_delayed_head_keep",
         "seqfuse_fp8_delayed_head_keep_fused_adamw", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
         "seqfuse_fp8_delayed_head_graphed", "seqfuse_bf16_fused_adamw", "seqfuse_fp8_delayed_fused_adamw",
-        "seqfuse_fp8_delayed_head_fused_adamw", "seqfuse_fp8_delayed_history", "seqfuse_fp8_delayed_head_history",
-        "seqfuse_fp8_delayed_head_history_fused_adamw", "torchao_float8", "liger")
+        "seqfuse_fp8_delayed_head_fused_adamw", "seqfuse_fp8_delayed_own_amax", "seqfuse_fp8_delayed_head_own_amax",
+        "seqfuse_fp8_delayed_head_own_amax_fused_adamw", "torchao_float8", "liger")
 
 #: The peer rows, and those a bf16 seqfuse row is held against (an FP8 row: every peer).
 PEERS = ("hf_eager", "hf_compile", "liger", "torchao_float8")
@@ -180,12 +180,12 @@ def prepare(row, base, family, shape=None):
         model.train()
         graph_layers(model, *shape)
         return model, note + "; layers as CUDA graphs (seqfuse.hf.graph_layers)"
-    if row.endswith("_history"):
-        model, note = prepare(row[:-len("_history")], base, family, shape)
+    if row.endswith("_own_amax"):
+        model, note = prepare(row[:-len("_own_amax")], base, family, shape)
         opted = [m for m in model.modules() if getattr(type(m), "fp8_num_gemms", 0)]
         for m in opted:
-            m.fp8_weight_history = True
-        return model, note + f"; fp8_weight_history on {len(opted)} modules"
+            m.fp8_weight_history = False
+        return model, note + f"; fp8_weight_history False on {len(opted)} modules"
     model = copy.deepcopy(base)
     if row == "hf_eager":
         return model, "transformers, attn_implementation=" + model.config._attn_implementation

@@ -30,11 +30,11 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   with seqfuse's multi-tensor scale (no pass when it is 1)
                   against torch's multiply of each (a pass over the LM
                   head's weight gradient)
-  weight_history  delayed scaling's weight re-casts after optimizer steps
-                  with the scale of the weight's amax history (one pass
-                  over the weight: the opt-in fp8_weight_history = True on
-                  every module) against casts from its own amax (an amax
-                  pass, then the cast: the default)
+  weight_history  delayed scaling's weight casts with the scale of the
+                  weight's amax history where it describes the weight (one
+                  pass over each weight: the default) against casts from its
+                  own amax (an amax pass, then the cast: a module's
+                  fp8_weight_history = False)
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -132,25 +132,13 @@ def _scale_with_torch(grads, g):
         t.mul_(g.to(t.dtype))
 
 
-_own_amax_cast = WeightQuantizer._cast_into
+_history_cast = WeightQuantizer._cast_into
 
 
-def _cast_with_history(self, w, scale_inv, data, data_t, in_capture=None, stepped=False):
-    """WeightQuantizer._cast_into as a module with fp8_weight_history True
-    casts under delayed scaling: re-casts after optimizer steps with the
-    history's scale."""
-    o = self.owner
-    kept, o.weight_history = o.weight_history, o.kind == "delayed"
-    try:
-        return _own_amax_cast(self, w, scale_inv, data, data_t, in_capture, stepped)
-    finally:
-        o.weight_history = kept
-
-
-def _weight_history_switch():
-    """(history scale on every module, the default): the new mode patches the opt-in in."""
-    return (lambda: setattr(WeightQuantizer, "_cast_into", _cast_with_history),
-            lambda: setattr(WeightQuantizer, "_cast_into", _own_amax_cast))
+def _cast_from_own_amax(self, w, scale_inv, data, data_t, in_capture=None, from_history=False):
+    """WeightQuantizer._cast_into as a module with fp8_weight_history False
+    casts: from the weight's own amax."""
+    return _history_cast(self, w, scale_inv, data, data_t, in_capture, False)
 
 
 SWITCHES = {
@@ -167,7 +155,7 @@ SWITCHES = {
         lambda self: False, lambda self, value: self.__dict__.__setitem__("save_original_input", value))),
     "loss_chunk": lambda: _attribute_switch(
         CE, "default_chunk_size", lambda n, v, es, budget_bytes=256 << 20: _chunk_rule(n, v, es, budget_bytes)),
-    "weight_history": _weight_history_switch,
+    "weight_history": lambda: _attribute_switch(WeightQuantizer, "_cast_into", _cast_from_own_amax),
     "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
 }
 

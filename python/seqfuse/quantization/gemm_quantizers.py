@@ -31,20 +31,25 @@ view).  Zero rows add nothing to the weight and bias gradients, and the
 amaxes are taken over the real rows only, so the real rows' results are the
 aligned computation's.  Aligned inputs take exactly the old path.
 
-A weight's cast takes its scale from the weight's own amax (an amax pass,
-then the cast, in one launch), under delayed scaling too, where that amax
-is written into the state's weight slot: a first step, a frozen weight or
-a weight written outside an optimizer never runs on a stale scale, and a
-resumed run or one with validation passes casts the same bytes as an
-uninterrupted one.  Opt-in (``module.fp8_weight_history = True`` before
-its first FP8 call, read when it adopts a recipe; Linear, LayerNormLinear
-and LayerNormMLP): under delayed scaling a re-cast of a weight that only
-optimizer steps changed since its last cast takes the scale of its amax
-history, as Transformer Engine's casts do: one pass over the weight instead
-of two.  That trades those guarantees away: a weight that outgrew its
-history saturates for a step, and a resumed run's first cast, or a cast a
-validation pass made, takes its own amax where the uninterrupted run took
-the history's.
+Under delayed scaling a weight's cast takes the scale of its amax history,
+as Transformer Engine's does and as every other tensor of the recipe is
+scaled: one pass over the weight, where a cast from its own amax needs two
+(the amax, then the cast).  Only where the history describes the weight:
+optimizer steps alone changed it since the last cast (same storage, more
+torch.optim steps), or a resumed run's first cast finds the checkpoint's
+history beside the checkpoint's weights.  A first step, a weight written
+outside an optimizer (a copy, a load into a running model, an in-place
+rescale) and a cast under CUDA graph capture take the weight's own amax,
+which is also written into the state's weight slot.  A training call that
+reuses a cast made under no_grad (a validation pass, whose scaling work
+restore_scaling undoes) folds the weight's amax into that slot as its own
+cast would: validation passes leave training's bytes as they were, and a
+resumed run casts the bytes the uninterrupted one did.  A weight that
+outgrew its history in one step saturates for that step (TE's behaviour).
+``module.fp8_weight_history = False`` (read when the module adopts a
+recipe) keeps every cast of that module on its own amax; GroupedLinear does
+(its one-launch cast of every expert's weight computes each scale).  Current
+and block scaling always cast from the weight itself.
 
 Weights are cast once per weight update: WeightQuantizer keeps the FP8
 weight and its transposed copy keyed on the parameter's identity, device,
@@ -713,11 +718,10 @@ class GradQuantizer(_Role):
 
 
 class WeightQuantizer(_Role):
-    """The weight, cast once per weight update (see the module note), from
-    its own amax (under delayed scaling that amax also lands in the state's
-    weight slot), or with the history's scale where a module opted in
-    (``fp8_weight_history``: _cast_into).  A cached cast keeps its own scale
-    inverse, so a later scale update never changes bytes already cast."""
+    """The weight, cast once per weight update (see the module note): under
+    delayed scaling with its amax history's scale where the history describes
+    it, else from its own amax (_cast_into).  A cached cast keeps its own
+    scale inverse, so a later scale update never changes bytes already cast."""
     __slots__ = ("key", "param", "pair", "casts", "captured", "inference", "reused")
     _caches = _Role._caches + ("key", "param", "pair", "captured", "inference", "reused")
     _captured_reuse_logged = []
@@ -767,10 +771,13 @@ class WeightQuantizer(_Role):
             spare = self._spare(note, grad)
             if lean and not in_capture and spare is not None and spare[0].data is None:
                 w = self._rowwise_buffer(self._transposed_bytes(spare))
+            history = not in_capture and self._history_describes(note[0])
             pair = self.store(note, *self._cast_weight(weight.detach(), grad, spare, in_capture, rowwise=w,
-                                                       stepped=not in_capture and _stepped(self.key, note[0])))
+                                                       from_history=history))
         elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
+            if pair is self.pair and self.owner.weight_history:
+                self._fold_amax(weight)
         if pair is not self.pair:  # (an FSDP2-gathered weight's pair: nothing kept here)
             return pair
         # (a captured cast's buffers belong to the graph, which writes and reads them at every replay: kept)
@@ -902,10 +909,32 @@ class WeightQuantizer(_Role):
             w = self._rowwise_buffer(self._transposed_bytes(pair))
         # (no detach: the C entries take a tensor that requires grad as its memory)
         old = key[5][0]
-        self._recast(weight, pair, rowwise=w, stepped=stamp[0] == old[0] and stamp[2] > old[2])
+        self._recast(weight, pair, rowwise=w, from_history=stamp[0] == old[0] and stamp[2] > old[2])
         self.casts += 1
         self.key = (*key[:5], (stamp,))
         return self._rowwise_answer(pair, lean, w)
+
+    def _history_describes(self, key):
+        """Whether the weight keyed ``key`` may be cast with its amax
+        history's scale (under a module's fp8_weight_history): optimizer
+        steps alone changed it since this role's last cast (_stepped), or
+        this role has not cast it yet in this process and the state holds a
+        history for it (a resumed run: the checkpoint's weights and their
+        history, which the uninterrupted run's cast used)."""
+        o = self.owner
+        if not o.weight_history:
+            return False
+        if self.key is None:
+            return o.state.has_history(self.index)
+        return _stepped(self.key, key)
+
+    def _fold_amax(self, weight):
+        """Fold max |weight| into this step's amax slot of the weight (two
+        launches): a training call that reuses a cast made under no_grad (a
+        validation pass, whose scaling work restore_scaling undid) records
+        the amax the cast would have, as a training call's own cast does."""
+        slot = self.owner.state.amax_of(self.index)
+        torch.maximum(slot, qops.amax(weight.detach()).reshape(1), out=slot)
 
     def _transposed_operand(self, q):
         """The input-gradient operand from the forward operand ``q``'s FP8
@@ -976,13 +1005,13 @@ class WeightQuantizer(_Role):
             self.key, self.param = key, tuple(src)
         return pair
 
-    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None, rowwise=None, stepped=False):
+    def _cast_weight(self, w, transposed=True, spare=None, in_capture=None, rowwise=None, from_history=False):
         """(the operand pair, the (amax, scale) scratch the cast used or None);
         ``transposed`` False: the input-gradient operand left out (None).
         ``spare``: a cached pair of this weight's shape and request whose
         buffers the cast writes (_spare's; none for block scaling's forward
         operand alone); it is then the pair returned.  ``in_capture``: as
-        lookup's.  ``rowwise``: with ``spare``, _recast's.  ``stepped``:
+        lookup's.  ``rowwise``: with ``spare``, _recast's.  ``from_history``:
         _cast_into's."""
         o = self.owner
         if o.kind == "block":
@@ -990,41 +1019,39 @@ class WeightQuantizer(_Role):
                 return (quantize_block(w, 128, self.fp8_dtype), None), None
             # W and W^T's 128x128 blocks (bytes and scales) in one call
             if spare is not None:
-                return spare, self._recast(w, spare, in_capture, rowwise, stepped)
+                return spare, self._recast(w, spare, in_capture, rowwise, from_history)
             w = w.contiguous()
             data, si, data_t, si_t = qops.block_weight_outputs(w.shape[0], w.shape[1], self.fp8_dtype, w.device)
             qops.quantize_block_fp8_weight_into(w, data, si, data_t, si_t)
             return (Float8BlockTensor(data, si, 128, dtype=w.dtype, shape=w.shape),
                     Float8BlockTensor(data_t, si_t, 128, dtype=w.dtype)), None
         if spare is not None:
-            return spare, self._recast(w, spare, in_capture, rowwise, stepped)
+            return spare, self._recast(w, spare, in_capture, rowwise, from_history)
         fp8_dtype = self.fp8_dtype
         dev = w.device
         k = w.shape[-1]
         scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
         data = torch.empty(*w.shape, dtype=fp8_dtype, device=dev)
         data_t = torch.empty(k, w.numel() // k if k else 0, dtype=fp8_dtype, device=dev) if transposed else None
-        scratch = self._cast_into(w, scale_inv, data, data_t, in_capture, stepped)
+        scratch = self._cast_into(w, scale_inv, data, data_t, in_capture, from_history)
         q = Float8Tensor(data, scale_inv, fp8_dtype, data_t=data_t, dtype=w.dtype, shape=w.shape)
         return (q, q if transposed else None), scratch
 
-    def _cast_into(self, w, scale_inv, data, data_t, in_capture=None, stepped=False):
+    def _cast_into(self, w, scale_inv, data, data_t, in_capture=None, from_history=False):
         """The per-tensor cast of the weight ``w`` into ``data`` [N, K] and
-        ``data_t`` [K, N] (or None) with its scale inverse: from w's own amax
-        (an amax pass, then the cast, in one launch; under delayed scaling
-        that amax written into the state's weight slot).  In a module that
-        opted in (``fp8_weight_history``: GemmQuantizers.adopt), under
-        delayed scaling, where the weight changed since its last cast through
-        optimizer steps alone (``stepped``: _stepped's answer, a training
-        loop's re-cast; not a first cast, a copy, a load, an in-place rescale
-        or a cast under CUDA graph capture): with the scale of the weight's
-        amax history, as every other tensor of the recipe (before any
-        history, from its own amax: quantize.state_cast_args), its amax
-        folded into the state's weight slot, one pass over w.  Returns the
-        (amax, scale) scratch an own-amax cast used, or None."""
+        ``data_t`` [K, N] (or None) with its scale inverse.  ``from_history``
+        (the caller's _history_describes / _steady answer) under a module's
+        weight_history (delayed scaling, fp8_weight_history not False): with
+        the scale of the weight's amax history, as every other tensor of the
+        recipe (quantize.state_cast_args), its amax folded into the state's
+        weight slot, one pass over w.  Else from w's own amax (an amax pass,
+        then the cast, in one launch; under delayed scaling that amax written
+        into the state's weight slot, and the slot noted as cast so the next
+        update starts its history).  Returns the (amax, scale) scratch an
+        own-amax cast used, or None."""
         o = self.owner
         w = w.contiguous()
-        if stepped and o.weight_history:
+        if from_history and o.weight_history:
             scale, amax, _ = state_cast_args(o.state, self.index, w)
             qops.cast_fp8_into(w, scale, amax, data, data_t, scale_inv)
             return None
@@ -1035,7 +1062,7 @@ class WeightQuantizer(_Role):
             o.state.note_first_cast(self.index)  # (its amax is in the slot: a history from the next update on)
         return scratch
 
-    def _recast(self, w, spare, in_capture=False, rowwise=None, stepped=False):
+    def _recast(self, w, spare, in_capture=False, rowwise=None, from_history=False):
         """Cast the weight ``w`` into the buffers of the cached pair ``spare``
         (_spare's or _steady's: _writable holds), both copies in one call;
         returns the (amax, scale) scratch the cast used, or None.
@@ -1054,7 +1081,7 @@ class WeightQuantizer(_Role):
             qops.quantize_block_fp8_weight_into(w.contiguous(), data, q.scale_inv, qt.data, qt.scale_inv)
             written_in_place(q.scale_inv, qt.scale_inv)
             return None
-        scratch = self._cast_into(w, q.scale_inv, data, q.data_t, in_capture, stepped)
+        scratch = self._cast_into(w, q.scale_inv, data, q.data_t, in_capture, from_history)
         increment_versions((q.scale_inv,))  # (written_in_place, without its frame)
         return scratch
 
@@ -1283,9 +1310,9 @@ class GemmQuantizers:
         kind = recipe_kind(recipe, self.cls)
         check_features(self.cls, kind, *module.fp8_features())
         self.recipe, self.kind = recipe, kind
-        # the opt-in history scale of the weights' re-casts (the module note; GroupedLinear's one-launch
-        # cast of every expert's weight takes each one's own amax whatever the attribute)
-        self.weight_history = kind == "delayed" and getattr(module, "fp8_weight_history", False) is True
+        # the history scale of the weights' casts under delayed scaling (the module note), unless the module
+        # says False (GroupedLinear: its one-launch cast of every expert's weight takes each one's own amax)
+        self.weight_history = kind == "delayed" and getattr(module, "fp8_weight_history", True) is not False
         if kind == "delayed":
             state = getattr(module, "fp8_state", None)
             if state is None:
