@@ -403,13 +403,13 @@ def test_multi_tensor_scale(seed):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_multi_tensor_scale_by_one_keeps_every_bit(device, seed):
     """A scale of exactly 1 leaves every bit as it was (the pass is skipped:
-    NaN payloads, -0 and infinities included); the next float32 above 1
-    multiplies."""
+    a signalling NaN, which a multiply by 1 quiets, -0 and infinities
+    included); the next float32 above 1 multiplies."""
     special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-40, 3.0])
     f32 = torch.cat([torch.randn(5000), special]).to(device)
-    f32.view(torch.int32)[0] = 0x7FC00123  # (a NaN with a payload)
+    f32.view(torch.int32)[0] = 0x7F800123  # (a signalling NaN: a multiply by 1 would quiet it)
     bf16 = torch.cat([torch.randn(3000), special]).to(device, torch.bfloat16)
-    bf16.view(torch.int16)[0] = 0x7FC3
+    bf16.view(torch.int16)[0] = 0x7F81
     ts = [f32, bf16]
     before = [t.clone() for t in ts]
     multi_tensor_scale(ts, torch.ones((), device=device))

@@ -125,6 +125,30 @@ def test_a_write_outside_the_optimizer_takes_its_own_amax(device, seed):
 
 
 @needs_fp8
+@pytest.mark.parametrize("write", ["before_the_step", "after_the_step", "skipped_by_the_step"])
+def test_a_write_beside_an_optimizer_step_takes_its_own_amax(write, seed):
+    """An optimizer step and another write since the last cast (before or
+    after the step; or a parameter the step skipped, its gradient None):
+    the history does not describe the weight, so the cast takes its own
+    amax (the history's scale would saturate the 16x weight)."""
+    m = _linear(None, seed)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(32, 64)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    _step(m, recipe, x)
+    m.weight.grad = None if write == "skipped_by_the_step" else torch.ones_like(m.weight)
+    if write == "before_the_step":
+        with torch.no_grad():
+            m.weight.mul_(16.0)
+    opt.step()
+    if write != "before_the_step":
+        with torch.no_grad():
+            m.weight.mul_(16.0)
+    m.weight.grad = None
+    _check_cast(_step(m, recipe, x), m.weight, _scale_of(_amax(m)), write)
+
+
+@needs_fp8
 @pytest.mark.parametrize("device", _devices())
 def test_history_scale_saturates_a_grown_weight(device, seed):
     """The step after the weight doubled: values past the old amax saturate

@@ -218,14 +218,19 @@ def scale_by_loss_grad(grads, g):
     device and is 1 in a plain ``loss.backward()``: seqfuse's multi-tensor
     scale then skips the pass over the gradients (the LM head's weight
     gradient is V x H: 0.5 GB at a 128k vocabulary and H 2,048) without the
-    host reading ``g``.  The product is taken in float32 and rounded once;
-    gradients of another dtype or layout take torch's multiply."""
+    host reading ``g``.  The product is taken in float32 and rounded once,
+    for gradients of another layout or device too (torch's multiply, then a
+    copy back); float64 ones are multiplied in float64."""
     fast = [t for t in grads if t.dtype in _SCALABLE and t.is_contiguous() and t.device == g.device]
     if fast:
         _optim.multi_tensor_scale(fast, g.to(torch.float32).reshape(()))
     for t in grads:
-        if not any(t is f for f in fast):
-            t.mul_(g.to(t.dtype))
+        if any(t is f for f in fast):
+            continue
+        if t.dtype in _SCALABLE:
+            t.copy_(t.to(torch.float32) * g.to(t.device, torch.float32))
+        else:
+            t.mul_(g.to(t.device, t.dtype))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
