@@ -35,11 +35,14 @@ Under delayed scaling a weight's cast takes the scale of its amax history,
 as Transformer Engine's does and as every other tensor of the recipe is
 scaled: one pass over the weight, where a cast from its own amax needs two
 (the amax, then the cast).  Only where the history describes the weight:
-optimizer steps alone changed it since the last cast (same storage, more
-torch.optim steps), or a resumed run's first cast finds the checkpoint's
-history beside the checkpoint's weights.  A first step, a weight written
-outside an optimizer (a copy, a load into a running model, an in-place
-rescale) and a cast under CUDA graph capture take the weight's own amax,
+one torch.optim step was its only write since its last cast (same storage,
+one step more, the step's hooks seeing the cast's version counter before it
+and the current one after it), or a resumed run's first cast finds the
+checkpoint's history beside the checkpoint's weights.  A first step, a
+weight written outside an optimizer or beside a step (a copy, a load into a
+running model, an in-place rescale or clamp, before or after the step),
+several steps since the last cast, and a cast under CUDA graph capture take
+the weight's own amax,
 which is also written into the state's weight slot.  A training call that
 reuses a cast made under no_grad (a validation pass, whose scaling work
 restore_scaling undoes) folds the weight's amax into that slot as its own
@@ -917,10 +920,12 @@ class WeightQuantizer(_Role):
     def _history_describes(self, key, src):
         """Whether the weight keyed ``key`` may be cast with its amax
         history's scale (under a module's fp8_weight_history): optimizer
-        steps alone changed it since this role's last cast (_stepped), or
-        this role has not cast it yet in this process and the state holds a
-        history for it (a resumed run: the checkpoint's weights and their
-        history, which the uninterrupted run's cast used)."""
+        step was its only write since this role's last cast (_stepped), or
+        this role holds no key and the state holds a history for the weight:
+        a resumed run's first cast (the checkpoint's weights and their
+        history, which the uninterrupted run's cast used), an eager call
+        after a CUDA graph capture (whose replays kept the history current),
+        or a copy of the module (deepcopy and pickling leave the key out)."""
         o = self.owner
         if not o.weight_history:
             return False
@@ -999,7 +1004,8 @@ class WeightQuantizer(_Role):
             # (a graphed module's first FP8 step, an eval-mode call) must cast again, not read
             # them; the graph's buffers stay referenced here for as long as the graph may run
             # (with the scale / amax scratch the captured kernels write: _scratch gave the
-            # capture a pair of its own)
+            # capture a pair of its own); with no key, the first eager call after the capture casts
+            # again, which also notes a weight without a history (graphs.py's first-step rule waits on it)
             self.captured, self.key, self.param = (pair, scratch), None, None
         else:
             self.key, self.param = key, tuple(src)
