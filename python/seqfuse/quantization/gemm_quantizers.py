@@ -1227,8 +1227,13 @@ def _before_optimizer_step(optimizer, args, kwargs):
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
-    """Count the step and note the parameters' versions after it."""
-    _optimizer_counters[optimizer][0][0] += 1
+    """Count the step and note the parameters' versions after it (a step
+    whose pre-step hook did not run, hooks registered while it ran, counts
+    from the next one)."""
+    counted = _optimizer_counters.get(optimizer)
+    if counted is None:
+        return
+    counted[0][0] += 1
     _note_versions(optimizer, 1)
 
 
