@@ -276,3 +276,19 @@ def test_validation_passes_leave_training_unchanged(seed):
     for i, (a, b) in enumerate(zip(runs[0][0], runs[1][0])):
         assert torch.equal(a, b), f"step {i}"
     assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+
+
+def test_a_step_whose_pre_hook_did_not_run_is_not_counted():
+    """The post-step hook of an optimizer its pre-step hook never saw (the
+    hooks registered while that step ran) does nothing: no error, no count,
+    and the optimizer's next full step registers and counts it."""
+    from seqfuse.quantization import gemm_quantizers as gq
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    gq._after_optimizer_step(opt, (), {})
+    assert opt not in gq._optimizer_counters
+    p.grad = torch.ones(4)
+    opt.step()
+    assert gq._optimizer_counters[opt][0] == [1]
+    assert gq._stamp(p)[2] == 1

@@ -221,16 +221,16 @@ def scale_by_loss_grad(grads, g):
     host reading ``g``.  The product is taken in float32 and rounded once,
     for gradients of another layout or device too (torch's multiply, then a
     copy back); float64 ones are multiplied in float64."""
-    fast = [t for t in grads if t.dtype in _SCALABLE and t.is_contiguous() and t.device == g.device]
+    fast = []
+    for t in grads:
+        if t.dtype not in _SCALABLE:
+            t.mul_(g.to(t.device, t.dtype))
+        elif t.is_contiguous() and t.device == g.device:
+            fast.append(t)
+        else:
+            t.copy_(t.to(torch.float32) * g.to(t.device, torch.float32))
     if fast:
         _optim.multi_tensor_scale(fast, g.to(torch.float32).reshape(()))
-    for t in grads:
-        if any(t is f for f in fast):
-            continue
-        if t.dtype in _SCALABLE:
-            t.copy_(t.to(torch.float32) * g.to(t.device, torch.float32))
-        else:
-            t.mul_(g.to(t.device, t.dtype))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):

@@ -779,7 +779,7 @@ class WeightQuantizer(_Role):
                                                        from_history=history))
         elif grad and pair[1] is None:
             pair = self.pair = (pair[0], self._transposed_operand(pair[0]))
-            if pair is self.pair and self.owner.weight_history:
+            if self.owner.weight_history:
                 self._fold_amax(weight)
         if pair is not self.pair:  # (an FSDP2-gathered weight's pair: nothing kept here)
             return pair
@@ -911,8 +911,7 @@ class WeightQuantizer(_Role):
         if lean and q.data is None:  # (W into the transient buffer, W^T into the cached one)
             w = self._rowwise_buffer(self._transposed_bytes(pair))
         # (no detach: the C entries take a tensor that requires grad as its memory)
-        self._recast(weight, pair, rowwise=w, from_history=o.weight_history and _stepped(key, (*key[:5], (stamp,)),
-                                                                                            (weight,)))
+        self._recast(weight, pair, rowwise=w, from_history=o.weight_history and _stepped_one(key[5][0], stamp, weight))
         self.casts += 1
         self.key = (*key[:5], (stamp,))
         return self._rowwise_answer(pair, lean, w)
@@ -1046,8 +1045,8 @@ class WeightQuantizer(_Role):
     def _cast_into(self, w, scale_inv, data, data_t, in_capture=None, from_history=False):
         """The per-tensor cast of the weight ``w`` into ``data`` [N, K] and
         ``data_t`` [K, N] (or None) with its scale inverse.  ``from_history``
-        (the caller's _history_describes / _steady answer) under a module's
-        weight_history (delayed scaling, fp8_weight_history not False): with
+        (the caller's _history_describes / _steady answer, false outside a
+        module's weight_history: delayed scaling, fp8_weight_history not False): with
         the scale of the weight's amax history, as every other tensor of the
         recipe (quantize.state_cast_args), its amax folded into the state's
         weight slot, one pass over w.  Else from w's own amax (an amax pass,
@@ -1057,7 +1056,7 @@ class WeightQuantizer(_Role):
         own-amax cast used, or None."""
         o = self.owner
         w = w.contiguous()
-        if from_history and o.weight_history:
+        if from_history:
             scale, amax, _ = state_cast_args(o.state, self.index, w)
             qops.cast_fp8_into(w, scale, amax, data, data_t, scale_inv)
             return None
@@ -1164,13 +1163,17 @@ def _stepped(old, new, src):
     takes the weight's own amax (WeightQuantizer._cast_into)."""
     if old is None or old[:5] != new[:5] or len(old[5]) != len(new[5]):
         return False
-    for a, b, t in zip(old[5], new[5], src):
-        if a[0] != b[0] or b[2] != a[2] + 1:
-            return False
-        entry = _param_counters.get(id(t))
-        if entry is None or entry[0]() is not t or entry[2][0] != a[1] or entry[2][1] != b[1]:
-            return False
-    return True
+    return all(_stepped_one(a, b, t) for a, b, t in zip(old[5], new[5], src))
+
+
+def _stepped_one(old, new, t):
+    """_stepped's test for one source tensor ``t`` whose stamp (_stamp) was
+    ``old`` at the last cast and is ``new`` now (WeightQuantizer._steady
+    asks it for its one parameter)."""
+    if old[0] != new[0] or new[2] != old[2] + 1:
+        return False
+    entry = _param_counters.get(id(t))
+    return entry is not None and entry[0]() is t and entry[2][0] == old[1] and entry[2][1] == new[1]
 
 
 def _stamp(t):
