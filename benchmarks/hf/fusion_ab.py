@@ -35,6 +35,10 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   pass over each weight: the default) against casts from its
                   own amax (an amax pass, then the cast: a module's
                   fp8_weight_history = False)
+  tied_embedding  a tied input embedding's gradient added into the fused
+                  loss's head gradient by its backward (tied_embedding)
+                  against transformers' lookup, whose dense gradient
+                  autograd adds to the head's (a [V, H] fill and add)
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -62,6 +66,7 @@ import torch  # noqa: E402
 import bench_accelerate as B  # noqa: E402
 from harness import Table  # noqa: E402
 import seqfuse.hf.fuse_layers as FL  # noqa: E402
+import seqfuse.hf.fused_loss as FLOSS  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
 from seqfuse.modules.layernorm_linear import LayerNormLinear  # noqa: E402
 from seqfuse.modules.linear import Linear  # noqa: E402
@@ -157,6 +162,7 @@ SWITCHES = {
         CE, "default_chunk_size", lambda n, v, es, budget_bytes=256 << 20: _chunk_rule(n, v, es, budget_bytes)),
     "weight_history": lambda: _attribute_switch(WeightQuantizer, "_cast_into", _cast_from_own_amax),
     "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
+    "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
 }
 
 

@@ -208,6 +208,7 @@ int sf_nccl_version(void);
 #include "seqfuse_act.h"
 #include "seqfuse_rope.h"
 #include "seqfuse_loss.h"
+#include "seqfuse_embed.h"
 #include "seqfuse_optim.h"
 #include "seqfuse_attn.h"
 #include "seqfuse_grouped.h"

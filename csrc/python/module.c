@@ -143,7 +143,7 @@ static PyMethodDef *const sf_py_tables[] = {
 static const sf_py_binding *const *const sf_py_binding_tables[] = {
     sf_py_core_bindings, sf_py_quant_bindings, sf_py_gemm_bindings,  sf_py_norm_bindings,
     sf_py_act_bindings,  sf_py_rope_bindings,  sf_py_loss_bindings,  sf_py_optim_bindings,
-    sf_py_attn_bindings, sf_py_grouped_bindings, sf_py_moe_bindings,
+    sf_py_attn_bindings, sf_py_grouped_bindings, sf_py_moe_bindings, sf_py_embed_bindings,
 };
 
 static struct PyModuleDef sf_py_module = {

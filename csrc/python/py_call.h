@@ -310,6 +310,7 @@ extern const sf_py_binding *const sf_py_norm_bindings[];
 extern const sf_py_binding *const sf_py_act_bindings[];
 extern const sf_py_binding *const sf_py_rope_bindings[];
 extern const sf_py_binding *const sf_py_loss_bindings[];
+extern const sf_py_binding *const sf_py_embed_bindings[];
 extern const sf_py_binding *const sf_py_optim_bindings[];
 extern const sf_py_binding *const sf_py_attn_bindings[];
 extern const sf_py_binding *const sf_py_grouped_bindings[];

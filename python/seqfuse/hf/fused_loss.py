@@ -12,6 +12,16 @@ loss is transformers' ForCausalLMLoss: labels shifted by one (or
 ``shift_labels`` as given), -100 (or ``ignore_index``) ignored, the mean over
 the predicted tokens, or the sum divided by ``num_items_in_batch`` when given.
 
+Where the input embedding shares its weight with the LM head (tied
+embeddings, e.g. Llama 3.2 1B), a labels call looks the tokens up through
+seqfuse.modules.tied_embedding and passes the result as ``inputs_embeds``:
+the embedding's backward adds its token rows into the head gradient the
+fused loss made, instead of a dense gradient of its own that autograd adds
+to it (seqfuse.modules.embedding says why).  An embedding of another type,
+with hooks, max_norm, scale_grad_by_freq or sparse gradients, or a call
+that gives inputs_embeds, keeps transformers' own lookup (the first such
+call logs why).
+
 What changes for the caller: ``logits`` in the output is None when labels
 are given (as with Liger-Kernel's fused loss); calls without labels run
 transformers' own forward, logits included.  A labels call with
@@ -29,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..modules.cross_entropy import linear_cross_entropy
+from ..modules.embedding import TiedGradient, tied_embedding
 from .method_wrap import forward_signature, wrap_method_once
 
 _log = logging.getLogger("seqfuse")
@@ -76,9 +87,53 @@ def _output_cache_field(output_cls):
     return "cache" if "cache" in fields else "past_key_values"
 
 
-def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+def _tie_refusal(model):
+    """Why the model's input embedding is not looked up through
+    tied_embedding (None: it is): the head and the embedding must share one
+    plain leaf weight, and the embedding be a plain torch.nn.Embedding."""
+    emb = model.get_input_embeddings()
+    w = getattr(model.lm_head, "weight", None)
+    if getattr(emb, "weight", None) is not w:
+        return "the input embedding and the LM head do not share their weight"
+    if type(emb) is not nn.Embedding:
+        return f"the input embedding is a {type(emb).__name__}, not a torch.nn.Embedding"
+    if emb._forward_hooks or emb._forward_pre_hooks or hasattr(emb, "parametrizations"):
+        return "the input embedding has hooks or parametrizations"
+    if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+        return "the input embedding uses max_norm, scale_grad_by_freq or sparse gradients"
+    if type(w) is not nn.Parameter or not w.is_leaf or not w.is_contiguous():
+        return f"the shared weight is a {type(w).__name__} (not a contiguous plain Parameter)"
+    return None
+
+
+_tie_logged = set()
+
+
+def _tied_link(model, call):
+    """A TiedGradient for this labels call where its embedding lookup goes
+    through tied_embedding (``call``'s input_ids replaced by the looked-up
+    inputs_embeds), else None (the first refusal of each reason logged)."""
+    ids = call.get("input_ids")
+    why = "the call gives no input_ids tensor" if not isinstance(ids, torch.Tensor) else _tie_refusal(model)
+    if why is None and not model.lm_head.weight.requires_grad:
+        why = "the shared weight does not require grad"
+    if why is not None:
+        if why not in _tie_logged:
+            _tie_logged.add(why)
+            _log.info("seqfuse fused loss: transformers' own embedding lookup (its gradient added to the head's "
+                      "by autograd): %s", why)
+        return None
+    emb = model.get_input_embeddings()
+    link = TiedGradient(emb.weight)
+    call["inputs_embeds"] = tied_embedding(call.pop("input_ids"), emb.weight, link, padding_idx=emb.padding_idx)
+    return link
+
+
+def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                         tied=None):
     """transformers' ForCausalLMLoss of ``model.lm_head(hidden)`` against
-    ``labels``, without the logits (linear_cross_entropy in chunks)."""
+    ``labels``, without the logits (linear_cross_entropy in chunks;
+    ``tied``: the TiedGradient of the call's tied embedding lookup)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     target = shift_labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
@@ -89,7 +144,7 @@ def fused_causal_lm_loss(model, hidden, labels, num_items_in_batch=None, ignore_
     head = model.lm_head
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(flat, head.weight, target, bias=head.bias, ignore_index=ignore_index,
-                                reduction=reduction, fp8_recipe=model.__dict__.get(_FP8_HEAD))
+                                reduction=reduction, fp8_recipe=model.__dict__.get(_FP8_HEAD), tied_embedding=tied)
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -118,9 +173,13 @@ def _labels_forward(inner):
             return inner(self, *args, **kwargs)
         return_dict = call.pop("return_dict", None)
         loss_kw = {k: call.pop(k) for k in ("ignore_index", "shift_labels") if k in call}
+        link = None
+        if call.get("inputs_embeds") is None:  # (else the caller looked the tokens up: transformers' lookup)
+            call.pop("inputs_embeds", None)
+            link = _tied_link(self, call)
         outputs = self.model(**call)  # num_items_in_batch and the rest go on, as transformers passes them
         loss = fused_causal_lm_loss(self, outputs.last_hidden_state, labels,
-                                    num_items_in_batch=call.get("num_items_in_batch"), **loss_kw)
+                                    num_items_in_batch=call.get("num_items_in_batch"), tied=link, **loss_kw)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         cache_field = _output_cache_field(CausalLMOutputWithPast)
@@ -148,5 +207,9 @@ def wrap_causal_lm_loss(model):
     wrap_method_once(model, "forward", _labels_forward)  # a second accelerate() keeps the one wrapper
     fp8 = ("; its GEMMs in FP8: the weight and hidden states scaled from their own amax, the logits' gradient "
            "from its bound") if model.__dict__.get(_FP8_HEAD) is not None else ""
+    tie = _tie_refusal(model)
+    tie = ("; the tied input embedding's gradient added into the head's in its backward (tied_embedding)"
+           if tie is None else "" if tie.startswith("the input embedding and the LM head do not share")
+           else f"; the tied input embedding looked up by transformers ({tie})")
     return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "
-            f"logits; logits=None in the output{fp8}); eval and no-grad calls keep transformers' head and loss")
+            f"logits; logits=None in the output{fp8}{tie}); eval and no-grad calls keep transformers' head and loss")

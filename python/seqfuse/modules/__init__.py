@@ -14,6 +14,10 @@ __all__ += ["DotProductAttention"]
 __all__ += ["CrossEntropyFunction", "CrossEntropyLoss", "LinearCrossEntropyFunction", "cross_entropy",
             "linear_cross_entropy", "parallel_cross_entropy"]
 
+from .embedding import TiedGradient, tied_embedding  # noqa: E402
+
+__all__ += ["TiedGradient", "tied_embedding"]
+
 from .norm import LayerNorm, RMSNorm, layer_norm, rms_norm  # noqa: E402
 
 __all__ += ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]

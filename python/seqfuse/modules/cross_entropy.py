@@ -238,8 +238,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk_size,
-                fp8=None, weight_grad_dtype=None):
-        # fp8: (forward FP8 dtype, backward FP8 dtype) of the chunk GEMMs' operands, or None
+                fp8=None, weight_grad_dtype=None, tied=None):
+        # fp8: (forward FP8 dtype, backward FP8 dtype) of the chunk GEMMs' operands, or None;
+        # tied: the TiedGradient the backward offers the weight's gradient to (seqfuse.modules.embedding)
+        ctx.tied, ctx.handed_out = tied, False
         _log_gemm_backend(fp8)
         n = hidden.shape[0]
         v = weight.shape[0]
@@ -302,12 +304,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         _pending.raise_pending()  # a bad label a chunk's kernel recorded, if it has finished
+        if ctx.handed_out:
+            # the gradients were made in the forward and the first backward scaled them in place (and a tied
+            # embedding added its rows into the weight's): a second pass would return those, scaled again
+            raise RuntimeError("linear_cross_entropy: backward ran a second time through the same loss "
+                               "(retain_graph=True); its gradients are made in the forward and handed out by the "
+                               "first backward: compute the loss again for another backward")
+        ctx.handed_out = True
         grad_h, grad_w, grad_b = ctx.saved_tensors
         g = grad_out.detach()
         scale_by_loss_grad([t for t in (grad_h, grad_w) if t is not None], g)
         if grad_b is not None:
             grad_b = (grad_b * g).to(ctx.bias_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+        if ctx.tied is not None and grad_w is not None:
+            ctx.tied.offer(grad_w)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 class _ChunkGemms:
@@ -398,7 +409,8 @@ def _fp8_dtypes(recipe, hidden, weight):
 
 
 def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, label_smoothing=0.0,
-                         reduction="mean", chunk_size=None, fp8_recipe=None, weight_grad_dtype=None):
+                         reduction="mean", chunk_size=None, fp8_recipe=None, weight_grad_dtype=None,
+                         tied_embedding=None):
     """Cross-entropy of ``hidden`` [N, H] @ ``weight`` [V, H].T (+ ``bias`` [V])
     against int64 ``labels`` [N], processed ``chunk_size`` tokens at a time
     (default: a quarter of the logits within 256-512 MiB, default_chunk_size) so the full
@@ -414,7 +426,13 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     rounded once.  One chunk writes it in the weight's dtype either way (one
     rounding); a weight of another dtype than hidden's sums in float32.
     ``fp8_recipe`` (DelayedScaling or Float8CurrentScaling; None: no FP8):
-    the chunk GEMMs in FP8 (module note)."""
+    the chunk GEMMs in FP8 (module note).  ``tied_embedding``: a
+    seqfuse.modules.embedding.TiedGradient over ``weight`` (a contiguous
+    leaf shared with the input embedding that ``tied_embedding(ids, weight,
+    link)`` looked up in the same forward): the backward offers it the
+    weight's gradient, into which the embedding's backward adds its rows.
+    The gradients are handed out by the first backward: a second backward
+    through the same loss (retain_graph=True) is a RuntimeError."""
     _check_reduction(reduction, ("mean", "sum"))
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -447,6 +465,11 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
                          f"or torch.float32, got {weight_grad_dtype!r}")
     # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
     # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
+    if tied_embedding is not None and (getattr(tied_embedding, "weight", None) is not weight
+                                       or not weight.is_contiguous()):
+        raise ValueError(f"{op}: argument 'tied_embedding' must link this 'weight' (a contiguous leaf Parameter "
+                         "the input embedding shares), as seqfuse.modules.embedding.TiedGradient(weight)")
     hidden, weight = (t if t.is_contiguous() else t.contiguous() for t in (hidden, weight))
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index,
-                                            label_smoothing, reduction, chunk_size, fp8, weight_grad_dtype)
+                                            label_smoothing, reduction, chunk_size, fp8, weight_grad_dtype,
+                                            tied_embedding)

@@ -51,6 +51,10 @@ from .act import act_backward, act_forward, bias_dropout_add, dropout_backward  
 
 __all__ += ["act_forward", "act_backward", "bias_dropout_add", "dropout_backward"]
 
+from .embed import embedding_backward_add  # noqa: E402
+
+__all__ += ["embedding_backward_add"]
+
 from ._call import exchange_api_in_use  # noqa: E402
 
 __all__ += ["exchange_api_in_use"]
