@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Session 59, call 1: where accelerate()'s FP8 delayed step (Llama 1B shape, 1 x 4,096 tokens) spends its time now:
-# a profile of two steps with the trace kept (SEQFUSE_PROFILE_TRACE: every kernel with the host ops that launched
-# it, read on the development machine), and host_forward.py (host issue time against the GPU's, unprofiled).
-# Carry .whl, .s58/carry and .s54/carry (pkg_head.tar.xz: git archive HEAD python/seqfuse | xz):
+# Session 59, call 1: the tied embedding's gradient added into the fused loss's head gradient (csrc/embed):
+# its standalone check (CUDA bits against the CPU reference, then its time at Llama 1B's head), its cuda tests
+# with the loss's and accelerate()'s, an in-process A/B of accelerate()'s step with and without it
+# (fusion_ab.py --switch tied_embedding, kernel time and interleaved rounds), and a profile of the FP8 delayed
+# step with its trace kept (SEQFUSE_PROFILE_TRACE: every kernel with the host ops that launched it).
+# Carry .whl, .s59/carry (lib312.tar.xz, checks.tar.xz) and .s54/carry (pkg_head.tar.xz: git archive HEAD
+# python/seqfuse | xz):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s59_1.sh
 set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s54/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
-gpu_prebuilt s59 .s58/carry
+gpu_prebuilt s59 .s59/carry
+TAIL=12 run 60 check_embed bin/check_embed_embed
+TAIL=6 run 150 cuda_tests python3 -m pytest -q -x -m cuda -p no:cacheprovider tests/test_tied_embedding.py \
+  tests/test_cross_entropy.py tests/test_hf_accelerate_fused.py
+TAIL=16 run 200 ab_tied python3 benchmarks/hf/fusion_ab.py seqfuse_fp8_delayed,seqfuse_bf16 \
+  --switch tied_embedding --seq 4096 --profile --out fusion_ab_tied_embedding_s59
+cp benchmarks/results/fusion_ab_tied_embedding_s59.json "$LOG/" 2>/dev/null
 mkdir -p "$LOG/profile"
-SEQFUSE_PROFILE_TRACE=1 TAIL=12 run 200 accel_profile python3 benchmarks/hf/bench_accelerate.py --shape llama1b \
-  --seq 4096 --steps 10 --rows hf_eager,seqfuse_fp8_delayed,seqfuse_bf16 --profile "$LOG/profile" \
-  --out hf_accelerate_s59_4096_profiled
-cp benchmarks/results/hf_accelerate_s59_4096_profiled.json "$LOG/" 2>/dev/null
-TAIL=40 run 150 host_forward python3 benchmarks/hf/host_forward.py --rows seqfuse_fp8_delayed,seqfuse_bf16 --steps 8
+SEQFUSE_PROFILE_TRACE=1 TAIL=6 run 120 accel_profile python3 benchmarks/hf/bench_accelerate.py --shape llama1b \
+  --seq 4096 --steps 10 --rows seqfuse_fp8_delayed --profile "$LOG/profile" --out hf_accelerate_s59_4096_profiled
 exit $status
