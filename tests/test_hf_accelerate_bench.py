@@ -220,7 +220,8 @@ def test_fusion_ab_switches_patch_and_restore():
               "save_original_input": [(fusion_ab.Linear, "save_original_input")],
               "loss_chunk": [(fusion_ab.CE, "default_chunk_size")],
               "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")],
-              "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")]}
+              "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")],
+              "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
