@@ -112,6 +112,48 @@ def test_tied_gradient_equals_autograds_sum(device, dtype, scale):
     assert rel_error(got, w64.grad) <= (1e-5 if dtype == torch.float32 else 4 * EPS[dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["two_forwards", "penalty", "broadcast_grad", "accumulate"])
+def test_other_gradients_of_the_weight_add_up(device, case):
+    """The shared weight's gradient from more than the pair: two forwards
+    summed before one backward, a penalty on the weight, a broadcast
+    gradient into the embedding's output, and two backwards accumulating
+    into .grad; the same as autograd's own sum without the link."""
+    def run(linked):
+        g = torch.Generator().manual_seed(5)
+        w = torch.nn.Parameter((torch.randn(40, 16, generator=g) * 0.5).to(device))
+        total = 0
+        for k in range(2 if case in ("two_forwards", "accumulate") else 1):
+            ids = torch.randint(0, 40, (2, 9), generator=g).to(device)
+            labels = torch.randint(0, 40, (18,), generator=g).to(device)
+            link = TiedGradient(w) if linked else None
+            x = tied_embedding(ids, w, link) if linked else torch.nn.functional.embedding(ids, w)
+            loss = linear_cross_entropy(torch.tanh(x).reshape(-1, 16), w, labels, tied_embedding=link)
+            if case == "penalty":
+                loss = loss + 1e-2 * w.pow(2).sum()
+            if case == "broadcast_grad":  # (a gradient into x of stride 0 along its leading dimensions)
+                loss = loss + (x.sum((0, 1)) * torch.arange(16.0, device=device)).sum()
+            if case == "accumulate":
+                loss.backward()
+            else:
+                total = total + loss
+        if case != "accumulate":
+            total.backward()
+        return w.grad
+
+    assert rel_error(run(True), run(False)) <= 1e-6
+
+
+def test_link_serves_one_loss_and_padding_idx_is_checked():
+    w = torch.nn.Parameter(torch.randn(30, 8))
+    link = TiedGradient(w)
+    linear_cross_entropy(torch.randn(4, 8), w, torch.randint(0, 30, (4,)), tied_embedding=link)
+    with pytest.raises(ValueError, match="already serves another loss"):
+        linear_cross_entropy(torch.randn(4, 8), w, torch.randint(0, 30, (4,)), tied_embedding=link)
+    with pytest.raises(ValueError, match="'padding_idx'"):
+        tied_embedding(torch.randint(0, 30, (4,)), w, TiedGradient(w), padding_idx=30)
+
+
 def test_used_where_the_loss_backward_ran(monkeypatch):
     calls = []
     real = ops.embedding_backward_add
@@ -131,7 +173,7 @@ def test_without_the_loss_in_the_backward_falls_back_and_logs(caplog):
         with caplog.at_level(logging.INFO, logger="seqfuse"):
             x = tied_embedding(ids, w, TiedGradient(w), padding_idx=2)
             (x * torch.arange(8.0)).sum().backward()
-        assert "offered no head gradient" in caplog.text
+        assert "handed no head gradient over" in caplog.text
         w2 = torch.nn.Parameter(w.detach().clone())
         (torch.nn.functional.embedding(ids, w2, padding_idx=2) * torch.arange(8.0)).sum().backward()
         assert torch.equal(w.grad, w2.grad)

@@ -316,8 +316,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale_by_loss_grad([t for t in (grad_h, grad_w) if t is not None], g)
         if grad_b is not None:
             grad_b = (grad_b * g).to(ctx.bias_dtype)
-        if ctx.tied is not None and grad_w is not None:
+        if ctx.tied is not None and grad_w is not None:  # (the embedding's backward adds its rows and returns it)
             ctx.tied.offer(grad_w)
+            grad_w = None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
@@ -429,8 +430,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     the chunk GEMMs in FP8 (module note).  ``tied_embedding``: a
     seqfuse.modules.embedding.TiedGradient over ``weight`` (a contiguous
     leaf shared with the input embedding that ``tied_embedding(ids, weight,
-    link)`` looked up in the same forward): the backward offers it the
-    weight's gradient, into which the embedding's backward adds its rows.
+    link)`` looked up in the same forward): the backward hands it the
+    weight's gradient, into which the embedding's backward adds its rows
+    and which that backward returns (this one returns none for the weight).
     The gradients are handed out by the first backward: a second backward
     through the same loss (retain_graph=True) is a RuntimeError."""
     _check_reduction(reduction, ("mean", "sum"))
@@ -465,10 +467,14 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
                          f"or torch.float32, got {weight_grad_dtype!r}")
     # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
     # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
-    if tied_embedding is not None and (getattr(tied_embedding, "weight", None) is not weight
-                                       or not weight.is_contiguous()):
-        raise ValueError(f"{op}: argument 'tied_embedding' must link this 'weight' (a contiguous leaf Parameter "
-                         "the input embedding shares), as seqfuse.modules.embedding.TiedGradient(weight)")
+    if tied_embedding is not None:
+        if getattr(tied_embedding, "weight", None) is not weight or not weight.is_contiguous():
+            raise ValueError(f"{op}: argument 'tied_embedding' must link this 'weight' (a contiguous leaf Parameter "
+                             "the input embedding shares), as seqfuse.modules.embedding.TiedGradient(weight)")
+        if tied_embedding.bound:
+            raise ValueError(f"{op}: argument 'tied_embedding' already serves another loss (one link per forward "
+                             "pass and loss)")
+        tied_embedding.bound = True
     hidden, weight = (t if t.is_contiguous() else t.contiguous() for t in (hidden, weight))
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index,
                                             label_smoothing, reduction, chunk_size, fp8, weight_grad_dtype,

@@ -12,17 +12,19 @@ read and written by the add).
 ``tied_embedding(ids, weight, link)`` is the lookup ``weight[ids]`` whose
 backward adds the token rows into the head gradient instead: the loss,
 given the same ``link`` (``linear_cross_entropy(..., tied_embedding=link)``),
-offers the gradient it returns for ``weight``; the embedding's backward,
-which autograd runs after it (the embedding is the first use of the
-weight, the loss the last), adds its rows into that tensor in place
-(seqfuse.ops.embedding_backward_add: each token's rows summed in float32,
-added with one rounding) and returns no gradient of its own.  Autograd
-then accumulates one tensor that holds both parts.  Where no offer was
-made in this backward (the loss was not part of it, or a gradient of
-another dtype or device), the backward makes the embedding's gradient as
-torch does and logs that once.
+hands the head gradient it made to the link and returns no gradient for
+the weight itself; the embedding's backward, which autograd runs after it
+(the embedding is the first use of the weight, the loss the last), adds its
+rows into that tensor in place (seqfuse.ops.embedding_backward_add: each
+token's rows summed in float32, added with one rounding) and returns it as
+the weight's gradient.  So the two parts reach autograd as one tensor, and
+any other gradient of the weight (a second loss, a weight penalty) is added
+to it by autograd as usual.  Where the loss handed nothing over in this
+backward (it was not part of it), the backward makes the embedding's
+gradient as torch does and logs that once.
 
-One link per forward pass: a link is offered to and taken from once.
+One link per forward pass and loss: a link is bound to one loss, offered to
+once and taken from once.
 """
 import logging
 
@@ -38,22 +40,33 @@ class TiedGradient:
     """The link between a fused loss and the tied embedding lookup of one
     forward pass over ``weight`` (the shared leaf Parameter)."""
 
-    __slots__ = ("weight", "_grad")
+    __slots__ = ("weight", "bound", "_grad", "_stream")
 
     def __init__(self, weight):
         if not isinstance(weight, torch.Tensor) or not weight.is_leaf or weight.dim() != 2:
             raise ValueError("TiedGradient: argument 'weight' must be the shared 2-D leaf Parameter of the "
                              "embedding and the LM head")
         self.weight = weight
-        self._grad = None
+        self.bound = False  # (a loss took it: linear_cross_entropy)
+        self._grad = self._stream = None
 
     def offer(self, grad):
-        """The loss's backward: the gradient it returns for the weight."""
+        """The loss's backward: the head gradient it made, handed over in
+        place of its own gradient of the weight."""
+        if self._grad is not None:
+            raise RuntimeError("TiedGradient: a second head gradient offered before the embedding's backward took "
+                               "the first (one link per forward pass and loss)")
         self._grad = grad
+        self._stream = torch.cuda.current_stream(grad.device) if grad.is_cuda else None
 
     def take(self):
-        """The embedding's backward: the offered gradient (once), or None."""
+        """The embedding's backward: the offered gradient (once, ordered after
+        the stream that made it), or None."""
         grad, self._grad = self._grad, None
+        if grad is not None and self._stream is not None:
+            here = torch.cuda.current_stream(grad.device)
+            if here != self._stream:
+                here.wait_stream(self._stream)
         return grad
 
 
@@ -69,18 +82,19 @@ class _TiedEmbeddingFunction(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         head = ctx.link.take()
         if head is not None and head.dtype == dy.dtype and head.device == dy.device and head.stride(-1) == 1:
-            ops.embedding_backward_add(dy, ids, head, ctx.padding_idx)
-            del head  # (autograd's own reference stays the only one: it accumulates the tensor, no copy)
-            return None, None, None, None
+            # the head's and the embedding's parts as one tensor: the weight's only gradient from this pair
+            return None, ops.embedding_backward_add(dy, ids, head, ctx.padding_idx), None, None
         global _logged_alone
         if not _logged_alone:
             _logged_alone = True
-            why = ("the fused loss offered no head gradient in this backward" if head is None else
+            why = ("the fused loss handed no head gradient over in this backward" if head is None else
                    f"the head gradient is {head.dtype} on {head.device}, the embedding's {dy.dtype} on {dy.device}")
             _log.info("seqfuse tied embedding: %s; the embedding's gradient made on its own (torch's embedding "
-                      "backward) and added by autograd", why)
+                      "backward)%s", why, "" if head is None else " and added to it")
         pad = -1 if ctx.padding_idx is None else ctx.padding_idx
         grad = torch.ops.aten.embedding_dense_backward(dy, ids, ctx.num_weights, pad, False)
+        if head is not None:
+            grad = head + grad.to(head.device, head.dtype)
         return None, grad, None, None
 
 
@@ -93,6 +107,10 @@ def tied_embedding(ids, weight, link, padding_idx=None):
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise TypeError(f"tied_embedding: argument 'ids' must be an int64 or int32 torch.Tensor, got {got}")
-    if padding_idx is not None and padding_idx < 0:
-        padding_idx += weight.shape[0]
+    if padding_idx is not None:
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) \
+                or not -weight.shape[0] <= padding_idx < weight.shape[0]:
+            raise ValueError(f"tied_embedding: argument 'padding_idx' must be an int within the "
+                             f"{weight.shape[0]} rows of 'weight' (or None), got {padding_idx!r}")
+        padding_idx %= weight.shape[0]
     return _TiedEmbeddingFunction.apply(ids, weight, padding_idx, link)

@@ -126,7 +126,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             p1 = q.weights[0].get(w1, first_mb, transposed=want_t, release_rowwise=True)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             remake = recompute_act and need_w2 and grad  # FC2's wgrad operand made again in the backward
-            ctx.one_pass = _one_pass_swiglu(q, h, activation)
+            ctx.one_pass = b1 is None and _one_pass_swiglu(q, h, activation)
             aq, act_scale = _fp8_act(q, h, activation, need_w2 and not remake, remake, ctx.one_pass)
             p2 = q.weights[1].get(w2, first_mb, transposed=want_t, release_rowwise=True)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows, residual)
@@ -179,7 +179,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2, transient=True)
             w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.want_t)
-            if _one_pass_backward(ctx, q, b1_dt):
+            if _one_pass_backward(ctx, q):
                 # FC2's input gradient first, then one pass over h writes FC1's output gradient in FP8 with its
                 # transposed copy and, where it is made again, FC2's wgrad operand (the forward's bytes); then
                 # FC2's weight gradient
@@ -266,18 +266,19 @@ def _one_pass_swiglu(q, h, activation):
     transposed copy, where the activation kernel, two byte transposes and
     the activation made again took four passes.  Delayed scaling with an
     amax history (the producer kernels' fused casts), swiglu, h contiguous,
-    16-byte aligned, its halves multiples of 16 wide."""
+    16-byte aligned, its halves multiples of 16 wide; the forward asks only
+    where FC1 has no bias."""
     return (activation == "swiglu" and q.kind == "delayed" and q.inputs[1].fused_cast and h.is_contiguous()
             and h.shape[1] % 32 == 0 and h.data_ptr() % 16 == 0)
 
 
-def _one_pass_backward(ctx, q, b1_dtype):
+def _one_pass_backward(ctx, q):
     """The backward's one-pass SwiGLU (_one_pass_swiglu): where the
-    forward cast with it, FC1 has no bias (its gradient would sum the
+    forward cast with it (FC1 without a bias: its gradient would sum the
     high-precision rows) and FC1's output gradient has an amax history.
     Its FP8 bytes are the same whether FC2's wgrad operand was kept or is
     made again."""
-    return ctx.one_pass and b1_dtype is None and q.grads[0].fused_cast
+    return ctx.one_pass and q.grads[0].fused_cast
 
 
 def _one_pass_swiglu_backward(q, da, h, scale, fp8_dtype, need_col):
@@ -290,7 +291,8 @@ def _one_pass_swiglu_backward(q, da, h, scale, fp8_dtype, need_col):
         da, h, None, [h.shape[0]], fp8_dtype, scale=scale, need_dprobs=False, grad_fp8_dtype=g_dtype,
         grad_scale=g_scale, grad_amax=g_amax, grad_rowwise=True, grad_transpose=need_col, want_dx=False)
     g_data, g_data_t, g_si = grad
-    return (None if data_t is None else (data_t, si, None)), Float8Tensor(g_data, g_si, g_dtype, data_t=g_data_t, dtype=h.dtype, shape=h.shape)
+    g1 = Float8Tensor(g_data, g_si, g_dtype, data_t=g_data_t, dtype=h.dtype, shape=h.shape)
+    return (None if data_t is None else (data_t, si, None)), g1
 
 
 def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
