@@ -164,23 +164,28 @@ def test_recompute_activation_copies_no_scale_without_grad(monkeypatch):
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("activation", ["swiglu", "gelu_erf"])
 @pytest.mark.parametrize("rows", [1024, 1000])
-def test_cuda_recompute_activation_fp8_same_bits(name, activation, rows, seed):
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_recompute_activation_fp8_same_bits(name, activation, rows, bias, seed):
     """On CUDA the forward's row-wise-only per-tensor cast runs amax, scale
     and cast as three launches and the backward's one launch with the
-    transposed copy: the same bits, as the header says of cast_fp8_current."""
-    kept, remade = pair(activation, True, "cuda", hidden=256, ffn=1024)
+    transposed copy: the same bits, as the header says of cast_fp8_current
+    (without an FC1 bias a swiglu under delayed scaling takes the one-pass
+    SwiGLU, _one_pass_swiglu)."""
+    kept, remade = pair(activation, bias, "cuda", hidden=256, ffn=1024)
     xs = [torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     check_equal(run_steps(kept, RECIPES[name](), xs), run_steps(remade, RECIPES[name](), xs))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["delayed", "current"])
-def test_cuda_recompute_activation_fp8_graphed(name, seed):
+@pytest.mark.parametrize("bias", [True, False])
+def test_cuda_recompute_activation_fp8_graphed(name, bias, seed):
     """make_graphed_callables over two modules alike but for
     recompute_activation: the captured forward copies the scale and the
     captured backward makes the copy again; over four steps outputs and
-    gradients equal the graphed module that keeps the copy, bit for bit."""
-    kept, remade = pair("swiglu", True, "cuda", hidden=256, ffn=1024)
+    gradients equal the graphed module that keeps the copy, bit for bit
+    (without a bias, under delayed scaling: the one-pass SwiGLU captured)."""
+    kept, remade = pair("swiglu", bias, "cuda", hidden=256, ffn=1024)
     sample = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     recipes = [RECIPES[name](), RECIPES[name]()]
     graphed = [te.make_graphed_callables(m, (sample,), fp8_enabled=True, fp8_recipe=r)
