@@ -17,10 +17,11 @@ TAIL=6 run 150 cuda_tests python3 -m pytest -q -x -m cuda -p no:cacheprovider te
   tests/test_layernorm_modules.py tests/test_fp8_any_rows.py
 TAIL=14 run 150 ab_one_pass python3 benchmarks/hf/fusion_ab.py seqfuse_fp8_delayed --switch one_pass_swiglu \
   --seq 4096 --profile --out fusion_ab_one_pass_swiglu_s59
-TAIL=14 run 150 ab_tied python3 benchmarks/hf/fusion_ab.py seqfuse_fp8_delayed --switch tied_embedding \
-  --seq 4096 --profile --out fusion_ab_tied_embedding_s59
 cp benchmarks/results/fusion_ab_*_s59.json "$LOG/" 2>/dev/null
 TAIL=24 run 200 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 20 \
   --rows hf_eager,seqfuse_bf16,seqfuse_fp8_delayed,liger --out hf_accelerate_s59_4096
 cp benchmarks/results/hf_accelerate_s59_4096.json "$LOG/" 2>/dev/null
+TAIL=14 run 150 ab_tied python3 benchmarks/hf/fusion_ab.py seqfuse_fp8_delayed --switch tied_embedding \
+  --seq 4096 --profile --out fusion_ab_tied_embedding_s59
+cp benchmarks/results/fusion_ab_*_s59.json "$LOG/" 2>/dev/null
 exit $status
