@@ -144,6 +144,65 @@ def test_other_gradients_of_the_weight_add_up(device, case):
     assert rel_error(run(True), run(False)) <= 1e-6
 
 
+def test_expanded_gradient_rows_are_copied():
+    ids, _, w = _inputs("cpu", torch.float32, n=(3, 5), h=8, v=20)
+    dy = torch.randn(8).expand(3, 5, 8)  # (strides 0, 0, 1: overlapping rows)
+    want = w.double().index_add_(0, ids.reshape(-1), dy.reshape(-1, 8).double())
+    assert rel_error(ops.embedding_backward_add(dy, ids, w), want) <= 1e-6
+
+
+def test_a_loss_whose_backward_runs_after_the_lookups_returns_its_own_gradient():
+    """A loss that does not depend on the lookup (its backward may run after
+    the lookup's) and a lookup under no_grad: the loss keeps its gradient."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.nn.Parameter(torch.randn(30, 8, generator=g))
+    h = torch.randn(6, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 30, (6,), generator=g)
+    ids = torch.randint(0, 30, (2, 3), generator=g)
+    for lookup_grad, loss_first in ((True, False), (True, True), (False, False)):
+        w.grad = None
+        link = TiedGradient(w)
+        if loss_first:  # (then the lookup's backward runs first)
+            loss = linear_cross_entropy(h, w, labels, tied_embedding=link)
+        with torch.set_grad_enabled(lookup_grad):
+            x = tied_embedding(ids, w, link)
+        if not loss_first:
+            loss = linear_cross_entropy(h, w, labels, tied_embedding=link)
+        total = loss + (x.sum() if lookup_grad else 0)
+        total.backward()
+        w2 = torch.nn.Parameter(w.detach().clone())
+        want = linear_cross_entropy(h.detach(), w2, labels) + \
+            (torch.nn.functional.embedding(ids, w2).sum() if lookup_grad else 0)
+        want.backward()
+        assert rel_error(w.grad, w2.grad) <= 1e-6, (lookup_grad, loss_first)
+
+
+def test_an_offer_not_taken_is_dropped_with_a_warning(caplog):
+    """autograd.grad of the loss for the hidden states alone: the lookup's
+    backward does not run; the offer is dropped at the backward's end, and a
+    later backward of the lookup alone adds no head gradient."""
+    import seqfuse.modules.embedding as E
+
+    monkey = E._warned_untaken
+    E._warned_untaken = False
+    try:
+        w = torch.nn.Parameter(torch.randn(30, 8))
+        ids = torch.randint(0, 30, (2, 3))
+        link = TiedGradient(w)
+        x = tied_embedding(ids, w, link)
+        hidden = torch.tanh(x).reshape(-1, 8)
+        loss = linear_cross_entropy(hidden, w, torch.randint(0, 30, (6,)), tied_embedding=link)
+        with caplog.at_level(logging.WARNING, logger="seqfuse"):
+            torch.autograd.grad(loss, [hidden])
+        assert "was not taken in this backward" in caplog.text
+        x.sum().backward()
+        w2 = torch.nn.Parameter(w.detach().clone())
+        torch.nn.functional.embedding(ids, w2).sum().backward()
+        assert torch.equal(w.grad, w2.grad)
+    finally:
+        E._warned_untaken = monkey
+
+
 def test_link_serves_one_loss_and_padding_idx_is_checked():
     w = torch.nn.Parameter(torch.randn(30, 8))
     link = TiedGradient(w)
@@ -227,6 +286,27 @@ def test_accelerate_tied_llama_gradients_and_report(monkeypatch):
     train_alongside(model, ref, dict(input_ids=ids, attention_mask=mask, labels=labels), 1e-2,
                     rel_tol(torch.float32, 100), lambda m, r: hf_grads_close(m, r, rel_tol(torch.float32, 100)))
     assert calls == [1, 1, 1]  # one per training step
+
+
+def test_accelerate_tied_under_gradient_checkpointing(monkeypatch):
+    """transformers' gradient checkpointing hooks the input embedding
+    (make_inputs_require_grads): the tied path stays on, the gradients match."""
+    from seqfuse.hf import accelerate
+
+    ref = _tied_llama()
+    model = copy.deepcopy(ref)
+    accelerate(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable()
+        m.train()
+    calls = []
+    real = ops.embedding_backward_add
+    monkeypatch.setattr(ops, "embedding_backward_add", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(1, 96, (2, 9))
+    model(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    assert calls == [1]
+    assert rel_error(model.lm_head.weight.grad, ref.lm_head.weight.grad) <= 1e-5
 
 
 def test_accelerate_tied_embedding_refused_with_its_reason(caplog):

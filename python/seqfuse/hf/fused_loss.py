@@ -18,9 +18,10 @@ seqfuse.modules.tied_embedding and passes the result as ``inputs_embeds``:
 the embedding's backward adds its token rows into the head gradient the
 fused loss made, instead of a dense gradient of its own that autograd adds
 to it (seqfuse.modules.embedding says why).  An embedding of another type,
-with hooks, max_norm, scale_grad_by_freq or sparse gradients, or a call
-that gives inputs_embeds, keeps transformers' own lookup (the first such
-call logs why).
+with hooks (other than transformers' make_inputs_require_grads), max_norm,
+scale_grad_by_freq or sparse gradients keeps transformers' own lookup (each
+call checks; the first refusal of each reason is logged), as does a call
+that gives inputs_embeds.
 
 What changes for the caller: ``logits`` in the output is None when labels
 are given (as with Liger-Kernel's fused loss); calls without labels run
@@ -97,7 +98,10 @@ def _tie_refusal(model):
         return "the input embedding and the LM head do not share their weight"
     if type(emb) is not nn.Embedding:
         return f"the input embedding is a {type(emb).__name__}, not a torch.nn.Embedding"
-    if emb._forward_hooks or emb._forward_pre_hooks or hasattr(emb, "parametrizations"):
+    # (transformers' gradient checkpointing registers make_inputs_require_grads, which sets requires_grad on the
+    # lookup's output: already so where the shared weight requires grad, so it changes nothing here)
+    hooks = [h for h in emb._forward_hooks.values() if getattr(h, "__name__", "") != "make_inputs_require_grads"]
+    if hooks or emb._forward_pre_hooks or hasattr(emb, "parametrizations"):
         return "the input embedding has hooks or parametrizations"
     if emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
         return "the input embedding uses max_norm, scale_grad_by_freq or sparse gradients"
@@ -208,7 +212,8 @@ def wrap_causal_lm_loss(model):
     fp8 = ("; its GEMMs in FP8: the weight and hidden states scaled from their own amax, the logits' gradient "
            "from its bound") if model.__dict__.get(_FP8_HEAD) is not None else ""
     tie = _tie_refusal(model)
-    tie = ("; the tied input embedding's gradient added into the head's in its backward (tied_embedding)"
+    tie = ("; the tied input embedding's gradient added into the head's in its backward (tied_embedding; each "
+           "call checks the rules again)"
            if tie is None else "" if tie.startswith("the input embedding and the LM head do not share")
            else f"; the tied input embedding looked up by transformers ({tie})")
     return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "

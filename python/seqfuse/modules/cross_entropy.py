@@ -316,8 +316,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale_by_loss_grad([t for t in (grad_h, grad_w) if t is not None], g)
         if grad_b is not None:
             grad_b = (grad_b * g).to(ctx.bias_dtype)
-        if ctx.tied is not None and grad_w is not None:  # (the embedding's backward adds its rows and returns it)
-            ctx.tied.offer(grad_w)
+        if ctx.tied is not None and grad_w is not None and ctx.tied.hands_over():
+            ctx.tied.offer(grad_w)  # (the embedding's backward adds its rows and returns it)
             grad_w = None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 

@@ -21,7 +21,12 @@ the weight's gradient.  So the two parts reach autograd as one tensor, and
 any other gradient of the weight (a second loss, a weight penalty) is added
 to it by autograd as usual.  Where the loss handed nothing over in this
 backward (it was not part of it), the backward makes the embedding's
-gradient as torch does and logs that once.
+gradient as torch does and logs that once.  The loss hands over only
+where the lookup was recorded for autograd and its backward has not run
+yet (else it returns the gradient itself); the lookup's output must reach
+the loss's hidden states (as a model's forward makes them).  An offer the
+lookup's backward does not take by the end of the backward (the weight's
+gradient was not asked for) is dropped with a warning once.
 
 One link per forward pass and loss: a link is bound to one loss, offered to
 once and taken from once.
@@ -34,13 +39,14 @@ from .. import ops
 
 _log = logging.getLogger("seqfuse")
 _logged_alone = False
+_warned_untaken = False
 
 
 class TiedGradient:
     """The link between a fused loss and the tied embedding lookup of one
     forward pass over ``weight`` (the shared leaf Parameter)."""
 
-    __slots__ = ("weight", "bound", "_grad", "_stream")
+    __slots__ = ("weight", "bound", "armed", "taken", "_grad", "_stream")
 
     def __init__(self, weight):
         if not isinstance(weight, torch.Tensor) or not weight.is_leaf or weight.dim() != 2:
@@ -48,20 +54,45 @@ class TiedGradient:
                              "embedding and the LM head")
         self.weight = weight
         self.bound = False  # (a loss took it: linear_cross_entropy)
+        self.armed = False  # (a lookup recorded for autograd: tied_embedding under grad mode)
+        self.taken = False  # (the lookup's backward ran)
         self._grad = self._stream = None
+
+    def hands_over(self):
+        """The loss's backward: whether to hand its head gradient over (the
+        lookup was recorded and its backward has not run yet; else the loss
+        returns the gradient itself)."""
+        return self.armed and not self.taken
 
     def offer(self, grad):
         """The loss's backward: the head gradient it made, handed over in
-        place of its own gradient of the weight."""
+        place of its own gradient of the weight.  Where the lookup's backward
+        does not take it in this backward (the weight's gradient was not
+        asked for, or the lookup's output was cut from the graph), it is
+        dropped at the backward's end, with a warning once."""
         if self._grad is not None:
             raise RuntimeError("TiedGradient: a second head gradient offered before the embedding's backward took "
                                "the first (one link per forward pass and loss)")
         self._grad = grad
         self._stream = torch.cuda.current_stream(grad.device) if grad.is_cuda else None
+        torch.autograd.Variable._execution_engine.queue_callback(self._drop_untaken)
+
+    def _drop_untaken(self):
+        global _warned_untaken
+        if self._grad is None:
+            return
+        self._grad = None
+        if not _warned_untaken:
+            _warned_untaken = True
+            _log.warning("seqfuse tied embedding: the LM head's gradient handed to the embedding lookup was not taken "
+                         "in this backward (the lookup's backward did not run): the shared weight got no gradient "
+                         "from this loss.  Expected where the weight's gradient was not asked for (autograd.grad, "
+                         "backward(inputs=...)); else the lookup's output was cut from the loss's graph")
 
     def take(self):
         """The embedding's backward: the offered gradient (once, ordered after
         the stream that made it), or None."""
+        self.taken = True
         grad, self._grad = self._grad, None
         if grad is not None and self._stream is not None:
             here = torch.cuda.current_stream(grad.device)
@@ -113,4 +144,5 @@ def tied_embedding(ids, weight, link, padding_idx=None):
             raise ValueError(f"tied_embedding: argument 'padding_idx' must be an int within the "
                              f"{weight.shape[0]} rows of 'weight' (or None), got {padding_idx!r}")
         padding_idx %= weight.shape[0]
+    link.armed = link.armed or (torch.is_grad_enabled() and weight.requires_grad)
     return _TiedEmbeddingFunction.apply(ids, weight, padding_idx, link)
