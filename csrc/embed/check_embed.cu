@@ -9,8 +9,8 @@
  * bit (both sum a run's rows in float32 in sorted order and round once), and
  * rows of dweight no index names must keep their bytes.  Then the time of
  * the Llama 3.2 1B case (4,096 and 8,192 tokens, H 2,048, V 128,256, bf16)
- * against a copy of the bytes it must move (dy read, the touched rows of
- * dweight read and written).
+ * and of 8,192 tokens over a vocabulary of 16 against a copy of the bytes
+ * it must move (dy read, the touched rows of dweight read and written).
  */
 #include <algorithm>
 #include <numeric>
@@ -105,9 +105,12 @@ int main(void)
         run_case(dt, 0, 8, 5, 8, -1);
     }
 
-    /* time: bf16, Llama 1B's head, bytes = dy read + the touched rows read and written */
-    for (int64_t n : {4096, 8192}) {
-        const int64_t h = 2048, v = 128256;
+    /* time: bf16, Llama 1B's head (indices mostly once), then a DNA-sized vocabulary of 16 (each index a run of
+     * hundreds, summed by one block per run and column slice); bytes = dy read + the touched rows read and
+     * written */
+    const int64_t cases[3][2] = {{4096, 128256}, {8192, 128256}, {8192, 16}};
+    for (const auto &c : cases) {
+        const int64_t n = c[0], h = 2048, v = c[1];
         std::vector<int64_t> sorted, order;
         make_ids(n, v, sorted, order);
         int64_t uniq = 1;
