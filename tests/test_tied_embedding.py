@@ -113,12 +113,12 @@ def test_tied_gradient_equals_autograds_sum(device, dtype, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["two_forwards", "penalty", "broadcast_grad", "accumulate"])
+@pytest.mark.parametrize("case", ["two_forwards", "penalty", "lookup_used_twice", "accumulate"])
 def test_other_gradients_of_the_weight_add_up(device, case):
     """The shared weight's gradient from more than the pair: two forwards
-    summed before one backward, a penalty on the weight, a broadcast
-    gradient into the embedding's output, and two backwards accumulating
-    into .grad; the same as autograd's own sum without the link."""
+    summed before one backward, a penalty on the weight, the lookup's
+    output feeding a second term, and two backwards accumulating into
+    .grad; the same as autograd's own sum without the link."""
     def run(linked):
         g = torch.Generator().manual_seed(5)
         w = torch.nn.Parameter((torch.randn(40, 16, generator=g) * 0.5).to(device))
@@ -131,7 +131,7 @@ def test_other_gradients_of_the_weight_add_up(device, case):
             loss = linear_cross_entropy(torch.tanh(x).reshape(-1, 16), w, labels, tied_embedding=link)
             if case == "penalty":
                 loss = loss + 1e-2 * w.pow(2).sum()
-            if case == "broadcast_grad":  # (a gradient into x of stride 0 along its leading dimensions)
+            if case == "lookup_used_twice":  # (the lookup's output also feeds a second term)
                 loss = loss + (x.sum((0, 1)) * torch.arange(16.0, device=device)).sum()
             if case == "accumulate":
                 loss.backward()

@@ -88,14 +88,16 @@ def _output_cache_field(output_cls):
     return "cache" if "cache" in fields else "past_key_values"
 
 
-def _tie_refusal(model):
-    """Why the model's input embedding is not looked up through
+_NOT_TIED = "the input embedding and the LM head do not share their weight"
+
+
+def _tie_refusal(model, emb):
+    """Why the model's input embedding ``emb`` is not looked up through
     tied_embedding (None: it is): the head and the embedding must share one
     plain leaf weight, and the embedding be a plain torch.nn.Embedding."""
-    emb = model.get_input_embeddings()
     w = getattr(model.lm_head, "weight", None)
     if getattr(emb, "weight", None) is not w:
-        return "the input embedding and the LM head do not share their weight"
+        return _NOT_TIED
     if type(emb) is not nn.Embedding:
         return f"the input embedding is a {type(emb).__name__}, not a torch.nn.Embedding"
     # (transformers' gradient checkpointing registers make_inputs_require_grads, which sets requires_grad on the
@@ -118,7 +120,8 @@ def _tied_link(model, call):
     through tied_embedding (``call``'s input_ids replaced by the looked-up
     inputs_embeds), else None (the first refusal of each reason logged)."""
     ids = call.get("input_ids")
-    why = "the call gives no input_ids tensor" if not isinstance(ids, torch.Tensor) else _tie_refusal(model)
+    emb = model.get_input_embeddings()
+    why = "the call gives no input_ids tensor" if not isinstance(ids, torch.Tensor) else _tie_refusal(model, emb)
     if why is None and not model.lm_head.weight.requires_grad:
         why = "the shared weight does not require grad"
     if why is not None:
@@ -127,7 +130,6 @@ def _tied_link(model, call):
             _log.info("seqfuse fused loss: transformers' own embedding lookup (its gradient added to the head's "
                       "by autograd): %s", why)
         return None
-    emb = model.get_input_embeddings()
     link = TiedGradient(emb.weight)
     call["inputs_embeds"] = tied_embedding(call.pop("input_ids"), emb.weight, link, padding_idx=emb.padding_idx)
     return link
@@ -211,10 +213,11 @@ def wrap_causal_lm_loss(model):
     wrap_method_once(model, "forward", _labels_forward)  # a second accelerate() keeps the one wrapper
     fp8 = ("; its GEMMs in FP8: the weight and hidden states scaled from their own amax, the logits' gradient "
            "from its bound") if model.__dict__.get(_FP8_HEAD) is not None else ""
-    tie = _tie_refusal(model)
-    tie = ("; the tied input embedding's gradient added into the head's in its backward (tied_embedding; each "
-           "call checks the rules again)"
-           if tie is None else "" if tie.startswith("the input embedding and the LM head do not share")
-           else f"; the tied input embedding looked up by transformers ({tie})")
+    why = _tie_refusal(model, model.get_input_embeddings())
+    if why is None:
+        tie = ("; the tied input embedding's gradient added into the head's in its backward (tied_embedding; each "
+               "call checks the rules again)")
+    else:
+        tie = "" if why == _NOT_TIED else f"; the tied input embedding looked up by transformers ({why})"
     return ("seqfuse linear_cross_entropy over lm_head in token chunks when training with labels (no full "
             f"logits; logits=None in the output{fp8}{tie}); eval and no-grad calls keep transformers' head and loss")

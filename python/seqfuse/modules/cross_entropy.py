@@ -465,8 +465,6 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
     if weight_grad_dtype not in (None, torch.float32):
         raise ValueError(f"{op}: argument 'weight_grad_dtype' must be None or the weight's dtype ({weight.dtype}), "
                          f"or torch.float32, got {weight_grad_dtype!r}")
-    # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
-    # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
     if tied_embedding is not None:
         if getattr(tied_embedding, "weight", None) is not weight or not weight.is_contiguous():
             raise ValueError(f"{op}: argument 'tied_embedding' must link this 'weight' (a contiguous leaf Parameter "
@@ -475,6 +473,8 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, l
             raise ValueError(f"{op}: argument 'tied_embedding' already serves another loss (one link per forward "
                              "pass and loss)")
         tied_embedding.bound = True
+    # the chunked GEMMs read hidden and write its gradient row-major: another layout (a transposed,
+    # strided or expanded view) is copied here, in autograd, so the gradient still reaches the caller's tensor
     hidden, weight = (t if t.is_contiguous() else t.contiguous() for t in (hidden, weight))
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, ignore_index,
                                             label_smoothing, reduction, chunk_size, fp8, weight_grad_dtype,

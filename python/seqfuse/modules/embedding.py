@@ -70,10 +70,7 @@ class TiedGradient:
         does not take it in this backward (the weight's gradient was not
         asked for, or the lookup's output was cut from the graph), it is
         dropped at the backward's end, with a warning once."""
-        if self._grad is not None:
-            raise RuntimeError("TiedGradient: a second head gradient offered before the embedding's backward took "
-                               "the first (one link per forward pass and loss)")
-        self._grad = grad
+        self._grad = grad  # (one offer per link: a link serves one loss, whose second backward raises)
         self._stream = torch.cuda.current_stream(grad.device) if grad.is_cuda else None
         torch.autograd.Variable._execution_engine.queue_callback(self._drop_untaken)
 
@@ -112,21 +109,16 @@ class _TiedEmbeddingFunction(torch.autograd.Function):
     def backward(ctx, dy):
         (ids,) = ctx.saved_tensors
         head = ctx.link.take()
-        if head is not None and head.dtype == dy.dtype and head.device == dy.device and head.stride(-1) == 1:
+        if head is not None:  # (the loss's weight gradient: the weight's dtype and device, as dy's)
             # the head's and the embedding's parts as one tensor: the weight's only gradient from this pair
             return None, ops.embedding_backward_add(dy, ids, head, ctx.padding_idx), None, None
         global _logged_alone
         if not _logged_alone:
             _logged_alone = True
-            why = ("the fused loss handed no head gradient over in this backward" if head is None else
-                   f"the head gradient is {head.dtype} on {head.device}, the embedding's {dy.dtype} on {dy.device}")
-            _log.info("seqfuse tied embedding: %s; the embedding's gradient made on its own (torch's embedding "
-                      "backward)%s", why, "" if head is None else " and added to it")
+            _log.info("seqfuse tied embedding: the fused loss handed no head gradient over in this backward; the "
+                      "embedding's gradient made on its own (torch's embedding backward)")
         pad = -1 if ctx.padding_idx is None else ctx.padding_idx
-        grad = torch.ops.aten.embedding_dense_backward(dy, ids, ctx.num_weights, pad, False)
-        if head is not None:
-            grad = head + grad.to(head.device, head.dtype)
-        return None, grad, None, None
+        return None, torch.ops.aten.embedding_dense_backward(dy, ids, ctx.num_weights, pad, False), None, None
 
 
 def tied_embedding(ids, weight, link, padding_idx=None):
