@@ -221,7 +221,8 @@ def test_fusion_ab_switches_patch_and_restore():
               "loss_chunk": [(fusion_ab.CE, "default_chunk_size")],
               "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")],
               "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")],
-              "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")]}
+              "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")],
+              "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]

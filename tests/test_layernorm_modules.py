@@ -229,6 +229,14 @@ def test_fp8_activation_gradient_cast_by_its_kernel(device, activation, bias, ro
     monkeypatch.setattr(A, "act_backward", spy)
     from seqfuse.modules import layernorm_mlp
 
+    one_pass = layernorm_mlp.M.swiglu_backward_cast_fp8_grouped
+
+    def spy_one_pass(*args, **kwargs):  # (swiglu: the grouped SwiGLU backward writes it, _one_pass_swiglu)
+        fp8_outs.append(kwargs.get("grad_fp8_dtype") is not None)
+        return one_pass(*args, **kwargs)
+
+    monkeypatch.setattr(layernorm_mlp.M, "swiglu_backward_cast_fp8_grouped", spy_one_pass)
+
     monkeypatch.setattr(layernorm_mlp, "_logged_act_grad_with_bias", [])
     grads, amaxes = [], []
     for fused in (True, False):

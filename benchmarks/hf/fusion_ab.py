@@ -39,6 +39,12 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   loss's head gradient by its backward (tied_embedding)
                   against transformers' lookup, whose dense gradient
                   autograd adds to the head's (a [V, H] fill and add)
+  one_pass_swiglu LayerNormMLP's FP8 SwiGLU as the grouped SwiGLU cast and,
+                  in the backward, one grouped SwiGLU pass that writes FC2's
+                  wgrad operand and FC1's FP8 output gradient with its
+                  transposed copy, against the activation kernels (the
+                  activation made again, its FP8 gradient, two byte
+                  transposes)
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -68,6 +74,7 @@ from harness import Table  # noqa: E402
 import seqfuse.hf.fuse_layers as FL  # noqa: E402
 import seqfuse.hf.fused_loss as FLOSS  # noqa: E402
 from seqfuse.modules.rope import apply_rotary_pos_emb  # noqa: E402
+from seqfuse.modules import layernorm_mlp as LNMLP  # noqa: E402
 from seqfuse.modules.layernorm_linear import LayerNormLinear  # noqa: E402
 from seqfuse.modules.linear import Linear  # noqa: E402
 from seqfuse.modules.transformer_layer import TransformerLayer  # noqa: E402
@@ -163,6 +170,7 @@ SWITCHES = {
     "weight_history": lambda: _attribute_switch(WeightQuantizer, "_cast_into", _cast_from_own_amax),
     "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
     "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
+    "one_pass_swiglu": lambda: _attribute_switch(LNMLP, "_one_pass_swiglu", lambda q, h, activation: False),
 }
 
 

@@ -865,11 +865,15 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
  * padded block and through two more tiles (gate and up halves) transposed,
  * max |dx| folded into that layer's amax: the bytes grouped_cast_kernel
  * makes of dx.  A row's probability
- * gradient is a sum over all K columns, so one CTA owns whole rows: each
- * thread sums its 8 rows over its columns, the 16 threads of a row add up
- * in a fixed shuffle order, with no atomics or second pass.  So the grid is
- * one CTA per 128-row block (256 CTAs at Mixtral-small's shape, about two
- * for each SM), and each CTA must keep its own loads in flight: the rows'
+ * gradient is a sum over all K columns, so where it is asked one CTA owns
+ * whole rows: each thread sums its 8 rows over its columns, the 16 threads
+ * of a row add up in a fixed shuffle order, with no atomics or second pass;
+ * the grid is then one CTA per 128-row block (256 CTAs at Mixtral-small's
+ * shape, about two for each SM).  Without it the grid's y also splits the
+ * K tiles into runs of tiles_per_cta (backward_column_runs: about four
+ * waves of CTAs, so a single group of 4,096 rows -- LayerNormMLP's SwiGLU
+ * at Llama 1B's shape, 32 row blocks -- fills the device as well).  Each
+ * CTA must keep its own loads in flight: the rows'
  * gate, up and dout segments are staged through shared memory with cp.async
  * a phase ahead (BackwardStaging), through the compute and through the
  * barriers around each tile's transposed stores.  The tile and
@@ -890,6 +894,7 @@ struct BackwardPtrs {
     sf_dtype pd, dpd;
     uint8_t *out_t;
     int64_t k, ld_t;
+    int tiles_per_cta; /* the K tiles of one CTA: blockIdx.y's run starts at tile blockIdx.y * tiles_per_cta */
     const float *scale;
     float *scale_inv;
     int64_t scale_stride, scale_inv_stride;
@@ -904,13 +909,15 @@ struct BackwardPtrs {
 static_assert(sizeof(BackwardTable) + sizeof(BackwardPtrs) <= 4096,
               "the grouped SwiGLU backward's kernel parameters must fit CUDA's 4 KB");
 
-/* Group g's delayed scale; the scale inverses written: g's by the first
- * CTA of its rows (m0 == 0), those of the launch's groups with no rows by
- * CTA 0. */
+/* Group g's delayed scale; the scale inverses written by the CTAs of the
+ * first column run (blockIdx.y 0): g's by the first CTA of its rows (m0 ==
+ * 0), those of the launch's groups with no rows by CTA 0. */
 __device__ __forceinline__ float delayed_scale(const BackwardTable &tab, int64_t g, int64_t m0, const float *scale,
                                                int64_t scale_stride, float *scale_inv, int64_t inv_stride)
 {
     const float s = scale[g * scale_stride];
+    if (blockIdx.y != 0)
+        return s;
     if (m0 == 0 && threadIdx.x == 0)
         scale_inv[g * inv_stride] = __fdiv_rn(1.0f, s);
     if (blockIdx.x == 0)
@@ -956,16 +963,16 @@ constexpr size_t backward_tile_bytes(bool used) { return (size_t)(used ? kTile :
 constexpr int kSmallRows = 2;
 static_assert(kBackwardStages >= 2 && 8 % SF_BACKWARD_ROWS == 0, "the SwiGLU backward's staging");
 
-/* Phase q's copies (tile q / kPhases, rows kRows * (q % kPhases) ..) into
- * stage `st`: slot (j, tensor) of thread t at st + ((j * 3 + tensor) *
+/* Phase q's copies (tile kt0 + q / kPhases, rows kRows * (q % kPhases) ..)
+ * into stage `st`: slot (j, tensor) of thread t at st + ((j * 3 + tensor) *
  * kThreads + t) * kSlot 16-byte words; rows past m and columns past k are
  * zero-filled (and not read). */
 template <typename T, int ROWS>
 __device__ __forceinline__ void issue_backward_phase(uint4 *st, const T *x, const T *dout, int64_t m, int64_t k,
-                                                     int64_t m0, int q, int lr, int lj)
+                                                     int64_t m0, int kt0, int q, int lr, int lj)
 {
     using S = BackwardStaging<T, ROWS>;
-    const int64_t kc = (int64_t)(q / S::kPhases) * kTile + lj * 8;
+    const int64_t kc = (int64_t)(kt0 + q / S::kPhases) * kTile + lj * 8;
     const int ph = q % S::kPhases;
 #pragma unroll
     for (int j = 0; j < S::kRows; ++j) {
@@ -1017,20 +1024,22 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
         const int64_t r = m0 + lr + 16 * jj;
         pr[jj] = pt.probs && r < m ? sf_moe_ld(pt.probs, pt.pd, tab.row[i] + r) : 1.0f;
     }
-    const int tiles_k = (int)((k + kTile - 1) / kTile), phases = tiles_k * S::kPhases;
+    /* this CTA's run of K tiles (the host makes every run non-empty) */
+    const int tiles_k = (int)((k + kTile - 1) / kTile), kt0 = (int)blockIdx.y * pt.tiles_per_cta;
+    const int kt1 = min(tiles_k, kt0 + pt.tiles_per_cta), phases = (kt1 - kt0) * S::kPhases;
     constexpr int kStageWords = S::kBytes / 16;
 #pragma unroll
     for (int q = 0; q < kBackwardStages - 1; ++q) {
         if (q < phases)
-            issue_backward_phase<T, ROWS>(staged + q * kStageWords, x, dout, m, k, m0, q, lr, lj);
+            issue_backward_phase<T, ROWS>(staged + q * kStageWords, x, dout, m, k, m0, kt0, q, lr, lj);
         cp_async_commit();
     }
     int stage = 0; /* phase q's stage: q % kBackwardStages */
-    for (int kt = 0; kt < tiles_k; ++kt) {
+    for (int kt = kt0; kt < kt1; ++kt) {
         const int64_t k0 = (int64_t)kt * kTile, kc = k0 + lj * 8;
 #pragma unroll
         for (int ph = 0; ph < S::kPhases; ++ph) {
-            const int q = kt * S::kPhases + ph;
+            const int q = (kt - kt0) * S::kPhases + ph;
             cp_async_wait<kBackwardStages - 2>(); /* this thread's copies of phase q have landed */
             sf_raw8<T> rg[S::kRows], ru[S::kRows], rd[S::kRows];
             const uint4 *src = staged + stage * kStageWords;
@@ -1044,8 +1053,8 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
             /* refill the stage phase q - 1 used (read back in the last step) */
             const int next = stage == 0 ? kBackwardStages - 1 : stage - 1;
             if (q + kBackwardStages - 1 < phases)
-                issue_backward_phase<T, ROWS>(staged + next * kStageWords, x, dout, m, k, m0, q + kBackwardStages - 1,
-                                              lr, lj);
+                issue_backward_phase<T, ROWS>(staged + next * kStageWords, x, dout, m, k, m0, kt0,
+                                              q + kBackwardStages - 1, lr, lj);
             cp_async_commit();
             stage = stage == kBackwardStages - 1 ? 0 : stage + 1;
 #pragma unroll
@@ -1129,7 +1138,7 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
             if (lane == 0) /* (signed, as fp8.h's sf_amax_fold: a start of -0 or below loses) */
                 atomicMax(reinterpret_cast<int *>(pt.g_amax + g * pt.g_amax_stride), (int)w);
         }
-    if (pt.dprobs) {
+    if (pt.dprobs) { /* (one run of all K tiles: gridDim.y 1) */
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             float v = dp[j]; /* the 16 threads of row lr + 16 j: one half of a warp */
@@ -1144,14 +1153,34 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
     }
 }
 
+/* The K tiles of one CTA of the SwiGLU backward: all of them where the
+ * probability gradient is asked (a row's sum over K stays in one CTA), else
+ * runs sized so that the launch's row blocks times the runs make about four
+ * waves of the device's CTAs (one run where the row blocks alone do), every
+ * run non-empty.  Sets *runs, the grid's y. */
+static int backward_column_runs(int64_t blocks, int64_t tiles_k, bool dprobs, int sms, int *runs)
+{
+    const int64_t want = 4LL * sms * SF_BACKWARD_CTAS_PER_SM;
+    if (tiles_k < 1) { /* (no columns: one CTA a row block writes the scale inverses) */
+        *runs = 1;
+        return 1;
+    }
+    int64_t r = dprobs || blocks <= 0 || tiles_k <= 1 ? 1 : (want + blocks - 1) / blocks;
+    r = r < 1 ? 1 : r > tiles_k ? tiles_k : r;
+    const int64_t per = (tiles_k + r - 1) / r;
+    *runs = (int)((tiles_k + per - 1) / per);
+    return (int)per;
+}
+
 template <typename T>
 sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *a, int device, cudaStream_t stream)
 {
     static const char op[] = "swiglu_backward_cast_fp8_grouped";
     const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
     /* the staging the device's blocks hold beside the kernel's static tiles (CAST one, GRAD two) */
-    int optin = 0;
+    int optin = 0, sms = 0;
     SF_CUDA_TRY(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    SF_CUDA_TRY(op, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     const size_t tiles = backward_tile_bytes(c) + 2 * backward_tile_bytes(gr);
     const size_t smem_big = (size_t)kBackwardStages * BackwardStaging<T, SF_BACKWARD_ROWS>::kBytes;
     const size_t smem_small = (size_t)kBackwardStages * BackwardStaging<T, kSmallRows>::kBytes;
@@ -1161,7 +1190,7 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
                        op, optin, smem_small + tiles);
     const size_t smem = big ? smem_big : smem_small;
     BackwardPtrs pt = {a->x, a->dout, a->probs, a->dx, a->dprobs, a->probs_dtype, a->dprobs_dtype, a->out_t, a->k,
-                  a->ld_t, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
+                  a->ld_t, 0, c ? c->scale : nullptr, c ? c->scale_inv : nullptr, c ? c->scale_stride : 0,
                   c ? c->scale_inv_stride : 0, a->grad_out, a->grad_out_t, gr ? gr->scale : nullptr,
                   gr ? gr->amax : nullptr, gr ? gr->scale_inv : nullptr, gr ? gr->scale_stride : 0,
                   gr ? gr->amax_stride : 0, gr ? gr->scale_inv_stride : 0, gr ? gr->e5m2 : 0};
@@ -1190,7 +1219,9 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
         if (blocks == 0 && !c && !gr)
             continue;
         /* at least one CTA: with a cast it writes the scale inverses of groups with no rows */
-        const int grid = blocks > 0 ? (int)blocks : 1;
+        int runs = 1;
+        pt.tiles_per_cta = backward_column_runs(blocks, (a->k + kTile - 1) / kTile, a->dprobs != nullptr, sms, &runs);
+        const dim3 grid(blocks > 0 ? (unsigned)blocks : 1u, (unsigned)runs);
         auto pick = [&](auto rows) {
             constexpr int R = decltype(rows)::value;
             return !c ? (gr ? grouped_swiglu_backward_kernel<T, R, false, false, true>

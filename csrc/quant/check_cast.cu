@@ -41,6 +41,7 @@
  *      ulp; dout dense and in padded blocks, with and without dx and the
  *      gradient copies, poisoned outputs.  Its time at Mixtral-small's shape
  *      (what GroupedMLP's FP8 backward asks for: no dx, both gradient copies)
+ *      and at Llama 1B's MLP (one group, no probs: K split among CTAs)
  *      against a device copy's rate.
  *  10. cast_fp8_grouped_ends (the groups' ends read on the device; plain and
  *      SwiGLU) against the CPU backend (8's rule where SwiGLU, else bit for
@@ -623,10 +624,11 @@ static void run_ends_case(sf_dtype dtype, const std::vector<int64_t> &splits, in
 /* 9: the SwiGLU's backward with its FP8 copies, CPU against GPU (timing 0),
  * or its time (timing 1: the GPU alone).  dout is dense or in padded blocks;
  * want_dx 0: dx is not written; grad: dx's E5M2 copies (row-wise and
- * transposed) with delayed scaling.  The GPU's outputs start as 0xff (NaN in
+ * transposed) with delayed scaling; with_probs 0: no probs and no dprobs
+ * (LayerNormMLP's SwiGLU: the kernel then also splits K among CTAs).  The GPU's outputs start as 0xff (NaN in
  * every float dtype): an unwritten element fails. */
 static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> &splits, int64_t k, int want_dx,
-                                     int grad, int dout_padded, int timing = 0)
+                                     int grad, int dout_padded, int timing = 0, int with_probs = 1)
 {
     if (!timing && !check_take_case())
         return;
@@ -640,7 +642,7 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
     for (int64_t i = 0; i < drows * k; ++i)
         dout.set(i, rng_normal() * 0.05f);
     for (int64_t r = 0; r < m; ++r)
-        probs.set(r, r % 13 == 0 ? 0.0f : rng_uniform());
+        probs.set(r, !with_probs ? 1.0f : r % 13 == 0 ? 0.0f : rng_uniform());
     for (int64_t g = 0; g < G; ++g) {
         slots.set(g, 0.5f + 0.5f * (float)(g % 3));
         slots.set(G + g, -1.0f);
@@ -662,8 +664,8 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
             sl[j] = slots.view(1, vs, dev);
             sl[j].data = (float *)sl[j].data + j * G;
         }
-        CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&d, &xt, &p, &splits_t, kRowMultiple, want_dx ? &dxt : NULL,
-                                                     &dp, &sl[0], &t, &sl[1], grad ? &sl[2] : NULL,
+        CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&d, &xt, with_probs ? &p : NULL, &splits_t, kRowMultiple,
+                                                     want_dx ? &dxt : NULL, with_probs ? &dp : NULL, &sl[0], &t, &sl[1], grad ? &sl[2] : NULL,
                                                      grad ? &sl[3] : NULL, grad ? &go : NULL, grad ? &gt : NULL,
                                                      grad ? &sl[4] : NULL, NULL));
     };
@@ -671,11 +673,12 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
     if (timing) {
         const float ms = time_ms([&] { call(1); });
         /* read: gate|up, dout's real rows, probs; written: dprobs, dx, out_t, dx's two copies */
-        const double bytes = (double)dx_bytes + (double)(m * k) * es + 8.0 * m + (want_dx ? (double)dx_bytes : 0.0) +
+        const double bytes = (double)dx_bytes + (double)(m * k) * es + (with_probs ? 8.0 * m : 0.0) + (want_dx ? (double)dx_bytes : 0.0) +
                              (double)n_t + (grad ? 2.0 * n_g : 0.0);
-        printf("swiglu_backward_grouped %s G=%lld rows %lld K=%lld%s%s: %.1f us (%.2f TB/s; a device copy "
+        printf("swiglu_backward_grouped %s G=%lld rows %lld K=%lld%s%s%s: %.1f us (%.2f TB/s; a device copy "
                "%.2f TB/s)\n", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
-               want_dx ? ", dx" : ", no dx", grad ? ", dx's FP8 copies" : "", ms * 1e3, bytes / (ms * 1e-3) / 1e12,
+               want_dx ? ", dx" : ", no dx", grad ? ", dx's FP8 copies" : "", with_probs ? "" : ", no probs",
+               ms * 1e3, bytes / (ms * 1e-3) / 1e12,
                check_copy_tbs((size_t)(bytes / 2)));
         return;
     }
@@ -689,6 +692,8 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
      * dout * p * silu(gate), is one product: measured against itself. */
     const double tol = dtype == SF_FLOAT32 ? 1e-5 : dtype == SF_FLOAT16 ? 2e-3 : 1.6e-2;
     int ok = g_dx[dx_bytes] == 0xff && g_dp[m * 4] == 0xff; /* nothing written past the ends */
+    if (!with_probs)
+        ok = ok && g_dp[0] == 0xff; /* not written */
     double worst = 0.0;
     if (want_dx)
         for (int64_t g = 0, r = 0, p = 0; g < G; p += padded_count(b.splits[g]), ++g)
@@ -711,7 +716,7 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
                 }
     else
         ok = ok && g_dx[0] == 0xff && g_dx[dx_bytes - 1] == 0xff; /* not written */
-    for (int64_t r = 0; r < m; ++r) { /* a sum over K products in another order */
+    for (int64_t r = 0; with_probs && r < m; ++r) { /* a sum over K products in another order */
         const float c = check_load(SF_FLOAT32, dprobs.h.data(), r), g = check_load(SF_FLOAT32, g_dp.data(), r);
         ok = ok && fabsf(c - g) <= 1e-4f * (float)k * (0.05f + fabsf(c));
     }
@@ -730,10 +735,10 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
         ok = ok && fabsf(c - g) <= fabsf(c) * 0x1p-7f;
     }
     char what[240];
-    snprintf(what, sizeof what, "swiglu_backward_grouped %s G=%lld rows %lld (padded %lld) K=%lld%s%s%s "
+    snprintf(what, sizeof what, "swiglu_backward_grouped %s G=%lld rows %lld (padded %lld) K=%lld%s%s%s%s "
              "(dx's worst error against its terms %.1e%s)", sf_dtype_name(dtype), (long long)G, (long long)m,
              (long long)mp, (long long)k, want_dx ? " dx" : "", grad ? " grad copies" : "",
-             dout_padded ? " dout padded" : "", worst,
+             dout_padded ? " dout padded" : "", with_probs ? "" : " no probs", worst,
              differ ? ", FP8 codes one step apart: some" : "");
     check_report(ok, what);
 }
@@ -901,10 +906,20 @@ int main(void)
                     run_swiglu_backward_case(d, gsplits[sp], k, variant & 1, variant >> 1, sp == 5);
     run_swiglu_backward_case(SF_BFLOAT16, random_splits(8, 4096), 1024, 1, 1, 1);
     run_swiglu_backward_case(SF_BFLOAT16, random_splits(70, 3000), 400, 0, 1, 0); /* two launches */
+    /* without probs the K tiles are split among CTAs: one group (LayerNormMLP's SwiGLU) and several */
+    for (sf_dtype d : dtypes)
+        for (int variant = 0; variant < 4; ++variant) {
+            run_swiglu_backward_case(d, {1000}, 1040, variant & 1, variant >> 1, 0, 0, 0);
+            run_swiglu_backward_case(d, gsplits[5], 400, variant & 1, variant >> 1, variant & 1, 0, 0);
+        }
+    run_swiglu_backward_case(SF_BFLOAT16, {4096}, 8192, 0, 1, 0, 0, 0);
     /* Mixtral-small's: 32,768 expert rows of 3,584 (the FP8 backward asks for no dx); 64 experts over 4,096 rows */
     for (int want_dx = 0; want_dx < 2; ++want_dx)
         run_swiglu_backward_case(SF_BFLOAT16, random_splits(8, 32768), 3584, want_dx, 1 - want_dx, 1, 1);
     run_swiglu_backward_case(SF_BFLOAT16, random_splits(64, 4096), 1408, 0, 1, 1, 1);
+    /* LayerNormMLP's SwiGLU backward at Llama 1B's MLP: one group of 4,096 / 8,192 rows, K 8,192, no probs */
+    for (int64_t rows : {4096, 8192})
+        run_swiglu_backward_case(SF_BFLOAT16, {rows}, 8192, 0, 1, 0, 1, 0);
     /* 10: the grouped cast with the ends on the device */
     for (sf_dtype d : dtypes)
         for (int swiglu = 0; swiglu < 2; ++swiglu) {

@@ -54,6 +54,18 @@ backward makes the transposed FP8 copy FC2's weight gradient reads again
 from FC1's output, with the forward's kernel and scale (the forward's
 bytes): one byte an element less kept, for one more pass over FC1's output
 and the transpose.
+Under delayed scaling with an amax history, swiglu and no FC1 bias, the
+SwiGLU runs on the grouped MLP's kernels with one group of the token rows
+(_one_pass_swiglu): the forward's FP8 cast of the SwiGLU value
+(seqfuse.ops.moe.swiglu_cast_fp8_grouped, its transposed copy in the same
+pass where it is kept), and in the backward one pass over FC1's output
+(swiglu_backward_cast_fp8_grouped) writes FC1's output gradient in FP8
+with its transposed copy and, with recompute_activation, FC2's
+weight-gradient operand, after FC2's input gradient and before its weight
+gradient.  Where the activation kernels took four passes (the activation
+made again, its transpose, the FP8 gradient, its transpose).  The SwiGLU
+value is rounded to the input's dtype before its cast on this path (as
+the grouped MLP and the first step's unfused cast round it).
 ``return_layernorm_output=True`` also returns the norm's output (a second
 output whose gradient flows back through the norm); ``return_bias=True``
 returns FC2's bias instead of adding it (TE's order: output, bias, norm
@@ -73,6 +85,7 @@ import torch
 
 from .. import ops
 from ..ops import act as A
+from ..ops import moe as M
 from ..quantization.gemm_quantizers import padded_rows, transposed, wants_weight_transpose
 from ..quantization.tensor import Float8Tensor
 from . import _fp8 as F8
@@ -113,7 +126,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
             p1 = q.weights[0].get(w1, first_mb, transposed=want_t, release_rowwise=True)
             h = F8.forward(lnq, p1, kind, dt, as_dtype(b1, dt), rows)
             remake = recompute_act and need_w2 and grad  # FC2's wgrad operand made again in the backward
-            aq, act_scale = _fp8_act(q, h, activation, need_w2 and not remake, remake)
+            ctx.one_pass = b1 is None and _one_pass_swiglu(q, h, activation)
+            aq, act_scale = _fp8_act(q, h, activation, need_w2 and not remake, remake, ctx.one_pass)
             p2 = q.weights[1].get(w2, first_mb, transposed=want_t, release_rowwise=True)
             out = F8.forward(aq, p2, kind, dt, as_dtype(b2, dt), rows, residual)
             ln_col = F8.saved(F8.columnwise(lnq, kind)) if need_w1 else (None, None)
@@ -165,12 +179,28 @@ class _LayerNormMLPFn(torch.autograd.Function):
             # the bias gradients come out of the gradients' cast passes where the kernels take them
             g2, db2 = q.grads[1].quantize_grad(dout2, b2_dt, need_wgrad=need_w2, transient=True)
             w2_dgrad = F8.weight_dgrad_kept(w2_t, w2_si, kind, ctx.want_t)
-            a_col = F8.restore(a_t, a_si, kind) if ctx.act_remake is None else \
-                _fp8_act_remade(q, kind, h, activation, a_si, *ctx.act_remake)
-            da, dw2 = F8.backward(g2, a_col, w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
-            del a_col  # (read by FC2's weight gradient only)
-            g1, db1 = _fp8_act_grad(q, da, h, activation, b1_dt, need_w1)
-            del da  # (read by the activation's backward alone: freed before FC1's GEMMs)
+            if _one_pass_backward(ctx, q):
+                # FC2's input gradient first, then one pass over h writes FC1's output gradient in FP8 with its
+                # transposed copy and, where it is made again, FC2's wgrad operand (the forward's bytes); then
+                # FC2's weight gradient
+                remade = ctx.act_remake is not None
+                a_col = None if remade else F8.restore(a_t, a_si, kind)
+                da, dw2 = F8.backward(g2, a_col, w2_dgrad, kind, dt, rows, True, need_w2 and not remade, w2_dt,
+                                      mg2)
+                made, g1 = _one_pass_swiglu_backward(q, da, h, a_si if remade else None,
+                                                     ctx.act_remake[1] if remade else None, need_w1)
+                del da, a_col
+                if remade:
+                    _, dw2 = F8.backward(g2, made, None, kind, dt, rows, False, need_w2, w2_dt, mg2)
+                del made
+                db1 = None
+            else:
+                a_col = F8.restore(a_t, a_si, kind) if ctx.act_remake is None else \
+                    _fp8_act_remade(q, kind, h, activation, a_si, *ctx.act_remake, one_pass=ctx.one_pass)
+                da, dw2 = F8.backward(g2, a_col, w2_dgrad, kind, dt, rows, True, need_w2, w2_dt, mg2)
+                del a_col  # (read by FC2's weight gradient only)
+                g1, db1 = _fp8_act_grad(q, da, h, activation, b1_dt, need_w1)
+                del da  # (read by the activation's backward alone: freed before FC1's GEMMs)
             w1_dgrad = F8.weight_dgrad_kept(w1_t, w1_si, kind, ctx.want_t)
             dln, dw1 = F8.backward(g1, F8.restore(ln_t, ln_si, kind), w1_dgrad, kind, dt, rows, True, need_w1, w1_dt,
                                    mg1)
@@ -226,7 +256,46 @@ def _act_width(h, activation):
     return h.shape[1] // 2 if activation in A.GATED else h.shape[1]
 
 
-def _fp8_act(q, h, activation, need_col, keep_scale=False):
+def _one_pass_swiglu(q, h, activation):
+    """Whether FC2's FP8 input is the grouped SwiGLU cast's (one group:
+    seqfuse.ops.moe.swiglu_cast_fp8_grouped) and, with recompute_activation,
+    its backward one pass of the grouped SwiGLU backward
+    (swiglu_backward_cast_fp8_grouped): FC2's weight-gradient operand (the
+    forward's bytes: both round the SwiGLU value to h's dtype and cast it
+    with the forward's scale) and FC1's output gradient in FP8 with its
+    transposed copy, where the activation kernel, two byte transposes and
+    the activation made again took four passes.  Delayed scaling with an
+    amax history (the producer kernels' fused casts), swiglu, h contiguous,
+    16-byte aligned, its halves multiples of 16 wide; the forward asks only
+    where FC1 has no bias."""
+    return (activation == "swiglu" and q.kind == "delayed" and q.inputs[1].fused_cast and h.is_contiguous()
+            and h.shape[1] % 32 == 0 and h.data_ptr() % 16 == 0)
+
+
+def _one_pass_backward(ctx, q):
+    """The backward's one-pass SwiGLU (_one_pass_swiglu): where the
+    forward cast with it (FC1 without a bias: its gradient would sum the
+    high-precision rows) and FC1's output gradient has an amax history.
+    Its FP8 bytes are the same whether FC2's wgrad operand was kept or is
+    made again."""
+    return ctx.one_pass and q.grads[0].fused_cast
+
+
+def _one_pass_swiglu_backward(q, da, h, scale, fp8_dtype, need_col):
+    """(FC2's wgrad operand or None, FC1's output gradient as a padded
+    Float8Tensor) from one grouped SwiGLU backward pass over h (one group of
+    h's rows) given the SwiGLU output's gradient ``da``; the wgrad operand
+    where ``fp8_dtype`` and the forward's ``scale`` are given."""
+    g_scale, g_amax, g_dtype = q.grads[0].scale
+    _, _, data_t, si, grad = M.swiglu_backward_cast_fp8_grouped(
+        da, h, None, [h.shape[0]], fp8_dtype, scale=scale, need_dprobs=False, grad_fp8_dtype=g_dtype,
+        grad_scale=g_scale, grad_amax=g_amax, grad_rowwise=True, grad_transpose=need_col, want_dx=False)
+    g_data, g_data_t, g_si = grad
+    g1 = Float8Tensor(g_data, g_si, g_dtype, data_t=g_data_t, dtype=h.dtype, shape=h.shape)
+    return (None if data_t is None else (data_t, si, None)), g1
+
+
+def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
     """(the activation of FC1's output as FC2's quantized input, the scale
     it was cast with or None): written in FP8 by the activation kernel under
     delayed scaling once it has an amax history, else (other recipes, the
@@ -237,6 +306,15 @@ def _fp8_act(q, h, activation, need_col, keep_scale=False):
     casts of h's-dtype activations take their scale from its own amax (current
     scaling, and delayed scaling's first step), which the backward finds again."""
     iq = q.inputs[1]
+    if one_pass:  # (_one_pass_swiglu: the grouped SwiGLU cast of one group, its transposed copy in the same pass)
+        scale, amax, fp8_dtype = iq.scale
+        data, data_t, si = M.swiglu_cast_fp8_grouped(h, None, [h.shape[0]], fp8_dtype, scale=scale, amax=amax,
+                                                     rowwise=True, transpose=need_col)
+        if need_col:  # (kept for the backward: 4 bytes of its own, not a view of the op's 256-byte spaced buffer)
+            si = si.clone()
+        k = h.shape[1] // 2
+        return Float8Tensor(data, si, fp8_dtype, data_t=data_t, dtype=h.dtype, shape=(h.shape[0], k)), \
+            (scale.clone() if keep_scale else None)
     if iq.fused_cast:
         scale, amax, fp8_dtype, si, buf, a = iq.fused_outputs(h.shape[0], _act_width(h, activation), h.device,
                                                               place=iq.input_place(h))
@@ -245,7 +323,7 @@ def _fp8_act(q, h, activation, need_col, keep_scale=False):
     return iq.quantize(A.act_forward(h, activation), transpose=need_col, transient=True), None
 
 
-def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin):
+def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin, one_pass=False):
     """FC2's weight-gradient operand (the activation's column-wise FP8 copy)
     made again in the backward from FC1's output ``h`` (recompute_activation):
     the forward's kernel with the forward's scale, so the forward's bytes.
@@ -262,6 +340,9 @@ def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin):
     of its own), kept allocated within the transient pool's limit."""
     rows = h.shape[0]
     iq = q.inputs[1]
+    if fused and one_pass:  # (the forward's grouped SwiGLU cast: the same kernel and scale, the same bytes)
+        _, data_t, si = M.swiglu_cast_fp8_grouped(h, None, [rows], fp8_dtype, scale=scale, rowwise=False)
+        return data_t, si, None
     if fused:
         # (the row-wise bytes only feed the transpose, enqueued before this returns: a transient buffer)
         buf, view = iq.fp8_output_buffer(rows, _act_width(h, activation), fp8_dtype, h.device, iq.input_place(h))
