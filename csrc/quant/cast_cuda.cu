@@ -196,7 +196,8 @@ __device__ __forceinline__ void cast_transpose_tile(
                 if (out && m0 + row < mp && kc < k)
                     *reinterpret_cast<uint2 *>(out + (m0 + row) * k + kc) = w;
                 /* words 2lj and 2lj+1 stay adjacent under the swizzle */
-                *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
+                if (out_t)
+                    *reinterpret_cast<uint2 *>(&tile[row][swz(row, 2 * lj)]) = w;
             }
         }
         if constexpr (SUMS) {
@@ -209,6 +210,8 @@ __device__ __forceinline__ void cast_transpose_tile(
                 for (int e = 0; e < 8; ++e)
                     red[warp][lj * 8 + e] = csum[e];
         }
+        if (!out_t && !SUMS)
+            return; /* (row-wise only: no tile to share, so no barrier; out_t is the same for the whole CTA) */
         __syncthreads();
         if (out_t)
             store_tile_transposed(tile, m0, k0, mp, k, ld_t, kw, mg, out_t);
