@@ -54,7 +54,13 @@ SF_HD void sf_moe_st(void *p, sf_dtype d, int64_t i, float v)
 
 #define SF_MOE_EPS 1e-20f
 
+#if defined(SF_MOE_FAST_SIGMOID) && defined(__CUDA_ARCH__)
+/* (benchmarks/moe/build_swiglu_probe.sh's "fast" build alone: the device's sigmoid from the hardware
+ * approximations act.h's sf_sigmoid uses, to see what the exact expf and division cost the SwiGLU kernels) */
+SF_HD float sf_moe_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+#else
 SF_HD float sf_moe_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+#endif
 
 /* s[e] = softmax(l)[e] over one row of E values read from (p, d) at `off`. */
 SF_HD void sf_moe_softmax_row(const void *p, sf_dtype d, int64_t off, int64_t E, float *s)
