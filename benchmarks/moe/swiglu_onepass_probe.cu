@@ -78,7 +78,7 @@ static void probe(int64_t m, int64_t k)
     sf_tensor_init(&splits, splits_v, SF_INT64, 1, one, SF_CPU, 0);
     const double hb = 4.0 * m * k, db = 2.0 * m * k, ab = (double)m * k, gb = 2.0 * m * k;
 
-    const float fwd = time_ms([&] {
+    const float forward_ms = time_ms([&] {
         CHECK_SF(sf_swiglu_cast_fp8_grouped(&th, NULL, &splits, 16, &sc, &am, &ta, NULL, &si, 0, 0, NULL));
     });
     int32_t *end = (int32_t *)dev(4);
@@ -88,31 +88,31 @@ static void probe(int64_t m, int64_t k)
     sf_tensor tend;
     sf_tensor_init(&tend, end, SF_INT32, 1, ones, SF_CUDA, 0);
     const float ends = time_ms([&] { CHECK_SF(sf_cast_fp8_grouped_ends(&th, NULL, 1, &tend, &sc, &am, &ta_m, &si, NULL)); });
-    const float act_fwd = time_ms([&] { CHECK_SF(sf_act_forward(SF_ACT_SWIGLU, &th, &ta_m, &sc, &am, &si, NULL)); });
+    const float act_forward_ms = time_ms([&] { CHECK_SF(sf_act_forward(SF_ACT_SWIGLU, &th, &ta_m, &sc, &am, &si, NULL)); });
     printf("M %lld K %lld forward: swiglu_cast_fp8_grouped row-wise %.1f us (%.2f TB/s); cast_fp8_grouped_ends swiglu "
-           "%.1f us (%.2f TB/s); act_forward to FP8 %.1f us (%.2f TB/s)\n", (long long)m, (long long)k, fwd * 1e3,
-           (hb + ab) / (fwd * 1e-3) / 1e12, ends * 1e3, (hb + ab) / (ends * 1e-3) / 1e12, act_fwd * 1e3,
-           (hb + ab) / (act_fwd * 1e-3) / 1e12);
+           "%.1f us (%.2f TB/s); act_forward to FP8 %.1f us (%.2f TB/s)\n", (long long)m, (long long)k, forward_ms * 1e3,
+           (hb + ab) / (forward_ms * 1e-3) / 1e12, ends * 1e3, (hb + ab) / (ends * 1e-3) / 1e12, act_forward_ms * 1e3,
+           (hb + ab) / (act_forward_ms * 1e-3) / 1e12);
     cudaFree(end);
 
-    const float bwd = time_ms([&] {
+    const float backward_ms = time_ms([&] {
         CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&td, &th, NULL, &splits, 16, NULL, NULL, &sc, &tat, &si, &gsc,
                                                      &gam, &tg, &tgt, &gsi, NULL));
     });
-    const float remake = act_fwd;
+    const float remake = act_forward_ms;
     const float tr_a = time_ms([&] { CHECK_SF(sf_transpose_fp8(&ta, &tat, NULL)); });
-    const float act_bwd = time_ms([&] {
+    const float act_backward_ms = time_ms([&] {
         CHECK_SF(sf_act_backward(SF_ACT_SWIGLU, &td, &th, &tg_m, &gsc, &gam, &gsi, NULL));
     });
     const float tr_g = time_ms([&] { CHECK_SF(sf_transpose_fp8(&tg, &tgt, NULL)); });
-    const double bwd_bytes = hb + db + ab + 2.0 * gb;
+    const double backward_bytes = hb + db + ab + 2.0 * gb;
     printf("M %lld K %lld backward: one pass %.1f us (%.2f TB/s); the activation kernels %.1f us (remake %.1f, "
-           "its transpose %.1f, act_backward %.1f, its transpose %.1f)\n", (long long)m, (long long)k, bwd * 1e3,
-           bwd_bytes / (bwd * 1e-3) / 1e12, (remake + tr_a + act_bwd + tr_g) * 1e3, remake * 1e3, tr_a * 1e3,
-           act_bwd * 1e3, tr_g * 1e3);
+           "its transpose %.1f, act_backward %.1f, its transpose %.1f)\n", (long long)m, (long long)k, backward_ms * 1e3,
+           backward_bytes / (backward_ms * 1e-3) / 1e12, (remake + tr_a + act_backward_ms + tr_g) * 1e3, remake * 1e3, tr_a * 1e3,
+           act_backward_ms * 1e3, tr_g * 1e3);
     printf("M %lld K %lld both: one pass %.1f us, activation kernels %.1f us; a device copy %.2f TB/s\n",
-           (long long)m, (long long)k, (fwd + bwd) * 1e3, (act_fwd + remake + tr_a + act_bwd + tr_g) * 1e3,
-           check_copy_tbs((size_t)(bwd_bytes / 2)));
+           (long long)m, (long long)k, (forward_ms + backward_ms) * 1e3, (act_forward_ms + remake + tr_a + act_backward_ms + tr_g) * 1e3,
+           check_copy_tbs((size_t)(backward_bytes / 2)));
     for (void *p : {(void *)h, (void *)dout, (void *)a, (void *)a_t, (void *)g, (void *)g_t, (void *)slots})
         cudaFree(p);
 }
