@@ -295,6 +295,13 @@ def _one_pass_swiglu_backward(q, da, h, scale, fp8_dtype, need_col):
     return (None if data_t is None else (data_t, si, None)), g1
 
 
+# The one-pass forward's row-wise-only cast (recompute_activation: no transposed copy kept) on
+# cast_fp8_grouped_ends's row kernel rather than the tiled grouped cast (benchmarks/moe/swiglu_onepass_probe.cu
+# times both); the same bytes, as each group's rows of the two ops are; where the token rows are a multiple of
+# 16 (the ends cast writes no padding rows, which the FP8 GEMM needs)
+_swiglu_rowwise_by_ends = True
+
+
 def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
     """(the activation of FC1's output as FC2's quantized input, the scale
     it was cast with or None): written in FP8 by the activation kernel under
@@ -308,8 +315,12 @@ def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
     iq = q.inputs[1]
     if one_pass:  # (_one_pass_swiglu: the grouped SwiGLU cast of one group, its transposed copy in the same pass)
         scale, amax, fp8_dtype = iq.scale
-        data, data_t, si = M.swiglu_cast_fp8_grouped(h, None, [h.shape[0]], fp8_dtype, scale=scale, amax=amax,
-                                                     rowwise=True, transpose=need_col)
+        if need_col or not _swiglu_rowwise_by_ends or padded_rows(h.shape[0]) != h.shape[0]:
+            data, data_t, si = M.swiglu_cast_fp8_grouped(h, None, [h.shape[0]], fp8_dtype, scale=scale, amax=amax,
+                                                         rowwise=True, transpose=need_col)
+        else:  # row-wise alone, rows a multiple of 16 (its rows unpadded): the ends cast's row kernel, one group
+            end = torch.full((1,), h.shape[0], dtype=torch.int32, device=h.device)
+            (data, si), data_t = M.cast_fp8_grouped_ends(h, end, fp8_dtype, scale=scale, amax=amax, swiglu=True), None
         if need_col:  # (kept for the backward: 4 bytes of its own, not a view of the op's 256-byte spaced buffer)
             si = si.clone()
         k = h.shape[1] // 2
