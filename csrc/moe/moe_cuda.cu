@@ -24,7 +24,8 @@
  * follows the CPU reference's (moe.h's functions, float_bits.h's conversions,
  * the same operation order), but values agree to rounding, not bit for bit:
  * nvcc contracts multiply-adds into FMAs, the device expf differs from libm's
- * in the last bit, and sums across threads (dprobs) add in another order.
+ * in the last bit (the SwiGLU's sigmoid uses the hardware approximations:
+ * a few ulp, moe.h), and sums across threads (dprobs) add in another order.
  * Nothing here synchronizes the host.
  */
 #include <cuda_runtime.h>

@@ -27,9 +27,10 @@
  *      amax, in one call) against the CPU backend bit for bit, and its time
  *      against one sf_cast_fp8_current call per weight.
  *   8. swiglu_cast_fp8_grouped (6's cast of silu(gate) * up * prob, computed
- *      in the same pass) against the CPU backend: the SwiGLU's expf differs
- *      between the host's libm and the GPU's by an ulp at times, which can
- *      move a value across a bf16 rounding boundary, so the check allows FP8
+ *      in the same pass) against the CPU backend: the SwiGLU's sigmoid is
+ *      libm's on the host and the hardware approximations' on the device
+ *      (moe.h), a few ulp apart, which can move a value across a bf16
+ *      rounding boundary, so the check allows FP8
  *      codes one step apart in at most 1 in 1,000 elements and scales within
  *      a bf16 ulp (the Python tests compare the GPU's fused cast with its
  *      unfused kernels bit for bit); its time at Mixtral-small's shape.
