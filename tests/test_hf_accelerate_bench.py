@@ -222,8 +222,7 @@ def test_fusion_ab_switches_patch_and_restore():
               "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")],
               "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")],
               "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")],
-              "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")],
-              "swiglu_rowwise_ends": [(fusion_ab.LNMLP, "_swiglu_rowwise_by_ends")]}
+              "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")]}
     assert set(owners) == set(fusion_ab.SWITCHES)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]

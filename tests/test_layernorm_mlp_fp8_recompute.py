@@ -248,30 +248,3 @@ def test_one_pass_swiglu_runs_and_matches_the_kernel_path(device, recompute, mon
         assert rel_error(new_g[n], p.grad) < 1.15 * rel_error(old_g[n], p.grad) + 1e-3, n
     del warm
 
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_one_pass_rowwise_cast_by_ends_gives_the_grouped_casts_bits(device, monkeypatch, seed):
-    """Under recompute_activation the one-pass forward casts the SwiGLU
-    row-wise alone: at a token count that is a multiple of 16 on
-    cast_fp8_grouped_ends's row kernel, whose outputs and gradients equal
-    the tiled grouped cast's bit for bit; at an unaligned count (the ends
-    cast writes no padding rows) on the grouped cast."""
-    from seqfuse.modules import layernorm_mlp as L
-
-    calls = []
-    real = L.M.cast_fp8_grouped_ends
-    monkeypatch.setattr(L.M, "cast_fp8_grouped_ends", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-
-    def run(by_ends, xs):
-        monkeypatch.setattr(L, "_swiglu_rowwise_by_ends", by_ends)
-        _, m = pair("swiglu", False, device)
-        return run_steps(m, DelayedScaling(), xs)
-
-    xs = [torch.randn(48, 128, dtype=torch.bfloat16, device=device) for _ in range(3)]
-    new = run(True, xs)
-    assert calls == [48, 48]  # (steps 2 and 3 cast with the history: the one-pass path)
-    old = run(False, xs)
-    assert calls == [48, 48]
-    check_equal(new, old)
-    run(True, [torch.randn(40, 128, dtype=torch.bfloat16, device=device) for _ in range(3)])
-    assert calls == [48, 48]

@@ -45,9 +45,6 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   transposed copy, against the activation kernels (the
                   activation made again, its FP8 gradient, two byte
                   transposes)
-  swiglu_rowwise_ends
-                  the one-pass forward's row-wise SwiGLU cast on the ends
-                  cast's row kernel, against the tiled grouped cast
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -174,7 +171,6 @@ SWITCHES = {
     "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
     "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
     "one_pass_swiglu": lambda: _attribute_switch(LNMLP, "_one_pass_swiglu", lambda q, h, activation: False),
-    "swiglu_rowwise_ends": lambda: _attribute_switch(LNMLP, "_swiglu_rowwise_by_ends", False),
 }
 
 

@@ -3,8 +3,6 @@
 # once per tuning of csrc/quant/cast_cuda.cu (its SF_BACKWARD_* staging):
 #   benchmarks/moe/build_swiglu_probe.sh base "" b232 "-DSF_BACKWARD_ROWS=2 -DSF_BACKWARD_STAGES=3 \
 #     -DSF_BACKWARD_CTAS_PER_SM=2" ...  ->  bin/swiglu_probe_base, bin/swiglu_probe_b232, ...
-# (Session 60's "fast" builds set SF_MOE_FAST_SIGMOID, the device's approximate sigmoid, since moe.h's default
-# for the SwiGLU.)
 # Run csrc/build_checks.sh quant act first (the other objects come from it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

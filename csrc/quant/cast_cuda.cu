@@ -859,7 +859,7 @@ sf_status launch_cast_grouped(const sf_cast_grouped_args *a, cudaStream_t stream
 
 /* The SwiGLU's backward over padded blocks with its value's transposed FP8
  * copy (sf_swiglu_backward_cast_fp8_grouped).  Every CTA takes one 128-row
- * block of one group and walks its K columns 128 at a time: for each tile
+ * block of one group and walks its run of K tiles (128 columns each): for each tile
  * it loads the gate, up and dout values of its rows once, writes dx (the
  * gate and up gradients) row-wise (unless dx is NULL), parks the FP8 bytes of the SwiGLU value
  * (swiglu_value, cast with the group's scale) in the swizzled tile and

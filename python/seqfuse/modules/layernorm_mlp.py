@@ -62,8 +62,10 @@ pass where it is kept), and in the backward one pass over FC1's output
 (swiglu_backward_cast_fp8_grouped) writes FC1's output gradient in FP8
 with its transposed copy and, with recompute_activation, FC2's
 weight-gradient operand, after FC2's input gradient and before its weight
-gradient.  Where the activation kernels took four passes (the activation
-made again, its transpose, the FP8 gradient, its transpose).  The SwiGLU
+gradient; the activation kernels take up to four passes for these (the
+activation made again, its transpose, the FP8 gradient, its transpose).
+The pass splits its columns among CTAs (no routing gradient is asked), and
+the SwiGLU's sigmoid is the device's approximation (moe.h).  The SwiGLU
 value is rounded to the input's dtype before its cast on this path (as
 the grouped MLP and the first step's unfused cast round it).
 ``return_layernorm_output=True`` also returns the norm's output (a second
@@ -258,13 +260,14 @@ def _act_width(h, activation):
 
 def _one_pass_swiglu(q, h, activation):
     """Whether FC2's FP8 input is the grouped SwiGLU cast's (one group:
-    seqfuse.ops.moe.swiglu_cast_fp8_grouped) and, with recompute_activation,
-    its backward one pass of the grouped SwiGLU backward
-    (swiglu_backward_cast_fp8_grouped): FC2's weight-gradient operand (the
-    forward's bytes: both round the SwiGLU value to h's dtype and cast it
-    with the forward's scale) and FC1's output gradient in FP8 with its
-    transposed copy, where the activation kernel, two byte transposes and
-    the activation made again took four passes.  Delayed scaling with an
+    seqfuse.ops.moe.swiglu_cast_fp8_grouped) and its backward one pass of
+    the grouped SwiGLU backward (swiglu_backward_cast_fp8_grouped): FC1's
+    output gradient in FP8 with its transposed copy and, with
+    recompute_activation, FC2's weight-gradient operand (the forward's
+    bytes: both round the SwiGLU value to h's dtype and cast it with the
+    forward's scale), where the activation-gradient kernel, its transpose
+    and (recompute_activation) the activation made again with its
+    transpose took up to four passes.  Delayed scaling with an
     amax history (the producer kernels' fused casts), swiglu, h contiguous,
     16-byte aligned, its halves multiples of 16 wide; the forward asks only
     where FC1 has no bias."""
@@ -295,19 +298,13 @@ def _one_pass_swiglu_backward(q, da, h, scale, fp8_dtype, need_col):
     return (None if data_t is None else (data_t, si, None)), g1
 
 
-# The one-pass forward's row-wise-only cast (recompute_activation: no transposed copy kept) on
-# cast_fp8_grouped_ends's row kernel rather than the tiled grouped cast (benchmarks/moe/swiglu_onepass_probe.cu
-# times both); the same bytes, as each group's rows of the two ops are; where the token rows are a multiple of
-# 16 (the ends cast writes no padding rows, which the FP8 GEMM needs)
-_swiglu_rowwise_by_ends = True
-
-
 def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
     """(the activation of FC1's output as FC2's quantized input, the scale
     it was cast with or None): written in FP8 by the activation kernel under
-    delayed scaling once it has an amax history, else (other recipes, the
-    first step) made in h's dtype and cast.  The row-wise copy is a
-    transient buffer, as fp8_norm's.  ``keep_scale`` (recompute_activation):
+    delayed scaling once it has an amax history (``one_pass``: by the
+    grouped SwiGLU cast, into buffers of its own), else (other recipes, the
+    first step) made in h's dtype and cast.  The activation kernel's
+    row-wise copy is a transient buffer, as fp8_norm's.  ``keep_scale`` (recompute_activation):
     the fused kernel's scale comes back as a copy of the state's (which the
     step's update rewrites before the backward), for _fp8_act_remade; the
     casts of h's-dtype activations take their scale from its own amax (current
@@ -315,12 +312,8 @@ def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
     iq = q.inputs[1]
     if one_pass:  # (_one_pass_swiglu: the grouped SwiGLU cast of one group, its transposed copy in the same pass)
         scale, amax, fp8_dtype = iq.scale
-        if need_col or not _swiglu_rowwise_by_ends or padded_rows(h.shape[0]) != h.shape[0]:
-            data, data_t, si = M.swiglu_cast_fp8_grouped(h, None, [h.shape[0]], fp8_dtype, scale=scale, amax=amax,
-                                                         rowwise=True, transpose=need_col)
-        else:  # row-wise alone, rows a multiple of 16 (its rows unpadded): the ends cast's row kernel, one group
-            end = torch.full((1,), h.shape[0], dtype=torch.int32, device=h.device)
-            (data, si), data_t = M.cast_fp8_grouped_ends(h, end, fp8_dtype, scale=scale, amax=amax, swiglu=True), None
+        data, data_t, si = M.swiglu_cast_fp8_grouped(h, None, [h.shape[0]], fp8_dtype, scale=scale, amax=amax,
+                                                     rowwise=True, transpose=need_col)
         if need_col:  # (kept for the backward: 4 bytes of its own, not a view of the op's 256-byte spaced buffer)
             si = si.clone()
         k = h.shape[1] // 2
@@ -338,9 +331,10 @@ def _fp8_act_remade(q, kind, h, activation, scale, fused, fp8_dtype, margin, one
     """FC2's weight-gradient operand (the activation's column-wise FP8 copy)
     made again in the backward from FC1's output ``h`` (recompute_activation):
     the forward's kernel with the forward's scale, so the forward's bytes.
-    ``fused``: the activation kernel wrote FP8 with ``scale`` (_fp8_act's
-    copy); else the activation in h's dtype, cast with the scale of its own
-    amax (per tensor, ``margin``) or in 1x128 blocks -- what the forward's
+    ``fused``: the activation kernel (``one_pass``: the grouped SwiGLU
+    cast) wrote FP8 with ``scale`` (_fp8_act's copy); else the activation
+    in h's dtype, cast with the scale of its own amax (per tensor,
+    ``margin``) or in 1x128 blocks -- what the forward's
     cast did.  The forward never wrote a column-wise copy (nor, with
     ``fused``, any bytes this needs): one [tokens, ffn] FP8 tensor less from
     the forward to the backward, for one more pass over h.  While this runs
