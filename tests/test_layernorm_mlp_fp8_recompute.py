@@ -248,3 +248,28 @@ def test_one_pass_swiglu_runs_and_matches_the_kernel_path(device, recompute, mon
         assert rel_error(new_g[n], p.grad) < 1.15 * rel_error(old_g[n], p.grad) + 1e-3, n
     del warm
 
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_one_pass_operand_remade_after_an_inference_forward(device, monkeypatch, seed):
+    """An FP8 forward without autograd first gives FC2's input an amax
+    history and FC1's output gradient none: the first training step casts
+    the SwiGLU with the grouped cast (one-pass forward) while its backward
+    takes the activation-gradient kernel, so FC2's weight-gradient operand is
+    made again with the grouped cast (row-wise off).  Kept and remade
+    modules give the same bits."""
+    from seqfuse.modules import layernorm_mlp as L
+
+    remade_calls = []
+    real = L.M.swiglu_cast_fp8_grouped
+    monkeypatch.setattr(L.M, "swiglu_cast_fp8_grouped",
+                        lambda *a, **k: remade_calls.append(k.get("rowwise") is False) or real(*a, **k))
+    xs = [torch.randn(48, 128, dtype=torch.bfloat16, device=device) for _ in range(3)]
+    got = []
+    for m in pair("swiglu", False, device):
+        recipe = DelayedScaling()
+        with torch.no_grad(), te.autocast(recipe=recipe):
+            m(xs[0])
+        got.append(run_steps(m, recipe, xs[1:]))
+    assert any(remade_calls)
+    check_equal(got[0], got[1])

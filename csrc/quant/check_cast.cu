@@ -666,16 +666,17 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
             sl[j].data = (float *)sl[j].data + j * G;
         }
         CHECK_SF(sf_swiglu_backward_cast_fp8_grouped(&d, &xt, with_probs ? &p : NULL, &splits_t, kRowMultiple,
-                                                     want_dx ? &dxt : NULL, with_probs ? &dp : NULL, &sl[0], &t, &sl[1], grad ? &sl[2] : NULL,
-                                                     grad ? &sl[3] : NULL, grad ? &go : NULL, grad ? &gt : NULL,
-                                                     grad ? &sl[4] : NULL, NULL));
+                                                     want_dx ? &dxt : NULL, with_probs ? &dp : NULL, &sl[0], &t,
+                                                     &sl[1], grad ? &sl[2] : NULL, grad ? &sl[3] : NULL,
+                                                     grad ? &go : NULL, grad ? &gt : NULL, grad ? &sl[4] : NULL,
+                                                     NULL));
     };
     const size_t es = sf_dtype_size(dtype), dx_bytes = (size_t)(m * 2 * k) * es;
     if (timing) {
         const float ms = time_ms([&] { call(1); });
         /* read: gate|up, dout's real rows, probs; written: dprobs, dx, out_t, dx's two copies */
-        const double bytes = (double)dx_bytes + (double)(m * k) * es + (with_probs ? 8.0 * m : 0.0) + (want_dx ? (double)dx_bytes : 0.0) +
-                             (double)n_t + (grad ? 2.0 * n_g : 0.0);
+        const double bytes = (double)dx_bytes + (double)(m * k) * es + (with_probs ? 8.0 * m : 0.0) +
+                             (want_dx ? (double)dx_bytes : 0.0) + (double)n_t + (grad ? 2.0 * n_g : 0.0);
         printf("swiglu_backward_grouped %s G=%lld rows %lld K=%lld%s%s%s: %.1f us (%.2f TB/s; a device copy "
                "%.2f TB/s)\n", sf_dtype_name(dtype), (long long)G, (long long)m, (long long)k,
                want_dx ? ", dx" : ", no dx", grad ? ", dx's FP8 copies" : "", with_probs ? "" : ", no probs",
@@ -687,7 +688,8 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
     call(1);
     const std::vector<uint8_t> g_dx = dx.down(), g_dp = dprobs.down(), g_t = out_t.down(), g_go = g_out.down(),
                                g_gt = g_out_t.down(), g_slots = slots.down();
-    /* dx: one rounding of the dtype apart at most (the device's sigmoid is a few ulp from libm's, products differ by their rounding),
+    /* dx: one rounding of the dtype apart at most (the device's sigmoid is a few ulp from libm's, products differ
+     * by their rounding),
      * measured against the size of the terms the gate's gradient adds: dout * p * up * s * (1 + gate * (1 - s))
      * cancels near gate = -1.28, where an ulp of its terms is many ulps of the result.  The up's gradient,
      * dout * p * silu(gate), is one product: measured against itself. */
@@ -916,6 +918,10 @@ int main(void)
             run_swiglu_backward_case(d, {1000}, 1040, variant & 1, variant >> 1, 0, 0, 0);
             run_swiglu_backward_case(d, gsplits[5], 400, variant & 1, variant >> 1, variant & 1, 0, 0);
         }
+    /* runs of several K tiles whose last is shorter and ends in a partial tile (19 tiles); more than 64 groups */
+    run_swiglu_backward_case(SF_BFLOAT16, {4096}, 2320, 0, 1, 0, 0, 0);
+    run_swiglu_backward_case(SF_BFLOAT16, {300}, 2320, 1, 1, 0, 0, 0);
+    run_swiglu_backward_case(SF_BFLOAT16, random_splits(70, 3000), 400, 0, 1, 1, 0, 0);
     run_swiglu_backward_case(SF_BFLOAT16, {4096}, 8192, 0, 1, 0, 0, 0);
     /* Mixtral-small's: 32,768 expert rows of 3,584 (the FP8 backward asks for no dx); 64 experts over 4,096 rows */
     for (int want_dx = 0; want_dx < 2; ++want_dx)
