@@ -82,7 +82,10 @@ run() {
     local limit=$1 name=$2 rc=0
     shift 2
     echo "===== $name"
-    timeout -s "${STOP_SIGNAL:-INT}" -k 15 "$limit" "$@" > "$LOG/$name.log" 2>&1 || rc=$?
+    # (stdout line-buffered: what a program killed at its limit had printed stays in its log)
+    local lines=()
+    command -v stdbuf > /dev/null && lines=(stdbuf -oL -eL)
+    timeout -s "${STOP_SIGNAL:-INT}" -k 15 "$limit" "${lines[@]}" "$@" > "$LOG/$name.log" 2>&1 || rc=$?
     [ $rc -eq 0 ] || { status=1; echo "($name: exit $rc)"; }
     tail -n "${TAIL:-25}" "$LOG/$name.log"
 }
