@@ -209,8 +209,9 @@ def test_link_serves_one_loss_and_padding_idx_is_checked():
     linear_cross_entropy(torch.randn(4, 8), w, torch.randint(0, 30, (4,)), tied_embedding=link)
     with pytest.raises(ValueError, match="already serves another loss"):
         linear_cross_entropy(torch.randn(4, 8), w, torch.randint(0, 30, (4,)), tied_embedding=link)
-    with pytest.raises(ValueError, match="'padding_idx'"):
-        tied_embedding(torch.randint(0, 30, (4,)), w, TiedGradient(w), padding_idx=30)
+    for bad in (30, -31, True, 2.0):  # (past either end; a bool or a float is not an index)
+        with pytest.raises(ValueError, match="'padding_idx' must be an int within the 30 rows"):
+            tied_embedding(torch.randint(0, 30, (4,)), w, TiedGradient(w), padding_idx=bad)
 
 
 def test_used_where_the_loss_backward_ran(monkeypatch):

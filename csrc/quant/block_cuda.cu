@@ -524,7 +524,7 @@ sf_status sms_of_current(const char *what, int *sms)
 {
     int device = 0;
     SF_CUDA_TRY(what, cudaGetDevice(&device));
-    SF_CUDA_TRY(what, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    SF_CUDA_TRY(what, sf_cuda_query_sm_count(device, sms)); /* (cached: asked once a device) */
     return SF_OK;
 }
 

@@ -408,7 +408,7 @@ sf_status device_sms(const char *op, int *sms)
 {
     int device = 0;
     SF_CUDA_TRY(op, cudaGetDevice(&device));
-    SF_CUDA_TRY(op, cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    SF_CUDA_TRY(op, sf_cuda_query_sm_count(device, sms)); /* (cached: asked once a device) */
     return SF_OK;
 }
 
@@ -1163,14 +1163,11 @@ grouped_swiglu_backward_kernel(BackwardTable tab, BackwardPtrs pt)
  * run non-empty.  Sets *runs, the grid's y. */
 static int backward_column_runs(int64_t blocks, int64_t tiles_k, bool dprobs, int sms, int *runs)
 {
-    const int64_t want = 4LL * sms * SF_BACKWARD_CTAS_PER_SM;
-    if (tiles_k < 1) { /* (no columns: one CTA a row block writes the scale inverses) */
-        *runs = 1;
-        return 1;
-    }
-    int64_t r = dprobs || blocks <= 0 || tiles_k <= 1 ? 1 : (want + blocks - 1) / blocks;
-    r = r < 1 ? 1 : r > tiles_k ? tiles_k : r;
-    const int64_t per = (tiles_k + r - 1) / r;
+    *runs = 1;
+    if (dprobs || blocks <= 0 || tiles_k <= 1) /* (no columns: one CTA a row block writes the scale inverses) */
+        return tiles_k > 1 ? (int)tiles_k : 1;
+    const int64_t want = 4LL * sms * SF_BACKWARD_CTAS_PER_SM, fill = (want + blocks - 1) / blocks;
+    const int64_t r = fill < tiles_k ? fill : tiles_k, per = (tiles_k + r - 1) / r;
     *runs = (int)((tiles_k + per - 1) / per);
     return (int)per;
 }
@@ -1183,7 +1180,7 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
     /* the staging the device's blocks hold beside the kernel's static tiles (CAST one, GRAD two) */
     int optin = 0, sms = 0;
     SF_CUDA_TRY(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    SF_CUDA_TRY(op, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    SF_CUDA_TRY(op, sf_cuda_query_sm_count(device, &sms));
     const size_t tiles = backward_tile_bytes(c) + 2 * backward_tile_bytes(gr);
     const size_t smem_big = (size_t)kBackwardStages * BackwardStaging<T, SF_BACKWARD_ROWS>::kBytes;
     const size_t smem_small = (size_t)kBackwardStages * BackwardStaging<T, kSmallRows>::kBytes;

@@ -304,8 +304,8 @@ def _fp8_act(q, h, activation, need_col, keep_scale=False, one_pass=False):
     delayed scaling once it has an amax history (``one_pass``: by the
     grouped SwiGLU cast, into buffers of its own), else (other recipes, the
     first step) made in h's dtype and cast.  The activation kernel's
-    row-wise copy is a transient buffer, as fp8_norm's.  ``keep_scale`` (recompute_activation):
-    the fused kernel's scale comes back as a copy of the state's (which the
+    row-wise copy is a transient buffer, as fp8_norm's.  ``keep_scale``
+    (recompute_activation): the fused kernel's scale comes back as a copy of the state's (which the
     step's update rewrites before the backward), for _fp8_act_remade; the
     casts of h's-dtype activations take their scale from its own amax (current
     scaling, and delayed scaling's first step), which the backward finds again."""

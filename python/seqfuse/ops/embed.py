@@ -56,7 +56,7 @@ def embedding_backward_add(dy, ids, dweight, padding_idx=None):
         raise ValueError(f"{op}: argument 'ids' holds {int(bad)}, outside [0, {dweight.shape[0]}) (the rows of "
                          "'dweight')")
     rows = dy.reshape(-1, dy.shape[-1]) if dy.dim() != 2 else dy
-    if rows.shape[-1] > 1 and rows.stride(-1) != 1 or rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]:
+    if (rows.shape[-1] > 1 and rows.stride(-1) != 1) or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()  # (a transposed or broadcast gradient: rows of their own)
     out = given_out(op, dweight, "dweight")
     _C.embedding_backward_add(rows.detach(), sorted_ids, order, -1 if padding_idx is None else padding_idx, out,
