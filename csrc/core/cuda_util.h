@@ -66,25 +66,39 @@ static inline void sf_cuda_device_restore(sf_cuda_device_guard *g)
 
 static inline cudaStream_t sf_cuda_stream(sf_stream s) { return (cudaStream_t)s; }
 
-/* Multiprocessor count of a device, asked once per device and cached (launch
- * sizing runs on every call; the attribute query is not free).  The cache is
- * read and written from any host thread: one atomic int per device, 0 until
- * known (a failed query is not cached: asked again next time). */
-static inline cudaError_t sf_cuda_query_sm_count(int device, int *sms)
+/* A device attribute asked once per device and cached (launch sizing runs on
+ * every call; the attribute query is not free).  The cache is read and
+ * written from any host thread: one atomic int per device and attribute, 0
+ * until known (a failed query, or a value of 0, is not cached: asked again
+ * next time). */
+template <cudaDeviceAttr A>
+static inline cudaError_t sf_cuda_query_attribute(int device, int *value)
 {
     static std::atomic<int> cached[64];
     const bool cacheable = device >= 0 && device < 64;
     if (cacheable) {
         const int n = cached[device].load(std::memory_order_relaxed);
         if (n > 0) {
-            *sms = n;
+            *value = n;
             return cudaSuccess;
         }
     }
-    const cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-    if (e == cudaSuccess && cacheable && *sms > 0)
-        cached[device].store(*sms, std::memory_order_relaxed);
+    const cudaError_t e = cudaDeviceGetAttribute(value, A, device);
+    if (e == cudaSuccess && cacheable && *value > 0)
+        cached[device].store(*value, std::memory_order_relaxed);
     return e;
+}
+
+/* Multiprocessor count of a device (cached). */
+static inline cudaError_t sf_cuda_query_sm_count(int device, int *sms)
+{
+    return sf_cuda_query_attribute<cudaDevAttrMultiProcessorCount>(device, sms);
+}
+
+/* The most shared memory a block may opt in to, in bytes (cached). */
+static inline cudaError_t sf_cuda_query_smem_optin(int device, int *bytes)
+{
+    return sf_cuda_query_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, bytes);
 }
 
 /* The same, 132 (an H100 / H200) when the device cannot be asked. */

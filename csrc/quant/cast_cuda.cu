@@ -641,19 +641,12 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
     *launched = a->out_t && a->m > 0 && a->k % 8 == 0 && a->mp % 16 == 0 && aligned(a->x, 16) &&
                 aligned(a->out_t, 16) && (!a->out || aligned(a->out, 8)) && a->scale_inv;
     if (*launched) {
-        /* cooperative launches on this device (every recent GPU: yes), asked
-         * once per device: this is the weight cast's per-call path */
-        static int coop[64]; /* 0 not asked yet, 1 yes, -1 no */
-        int known = device >= 0 && device < 64 ? coop[device] : 0;
-        if (known == 0) {
-            int yes = 0;
-            if (cudaDeviceGetAttribute(&yes, cudaDevAttrCooperativeLaunch, device) != cudaSuccess)
-                (void)cudaGetLastError();
-            known = yes ? 1 : -1;
-            if (device >= 0 && device < 64)
-                coop[device] = known;
-        }
-        *launched = known > 0;
+        /* cooperative launches on this device (every recent GPU: yes; cached, as this is the
+         * weight cast's per-call path) */
+        int yes = 0;
+        if (sf_cuda_query_attribute<cudaDevAttrCooperativeLaunch>(device, &yes) != cudaSuccess)
+            (void)cudaGetLastError();
+        *launched = yes > 0;
     }
     if (!*launched)
         return SF_OK; /* the caller runs the three kernels */
@@ -1179,7 +1172,7 @@ sf_status launch_swiglu_backward_grouped(const sf_swiglu_backward_grouped_args *
     const sf_cast_grouped_args *c = a->cast, *gr = a->grad;
     /* the staging the device's blocks hold beside the kernel's static tiles (CAST one, GRAD two) */
     int optin = 0, sms = 0;
-    SF_CUDA_TRY(op, cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    SF_CUDA_TRY(op, sf_cuda_query_smem_optin(device, &optin));
     SF_CUDA_TRY(op, sf_cuda_query_sm_count(device, &sms));
     const size_t tiles = backward_tile_bytes(c) + 2 * backward_tile_bytes(gr);
     const size_t smem_big = (size_t)kBackwardStages * BackwardStaging<T, SF_BACKWARD_ROWS>::kBytes;
