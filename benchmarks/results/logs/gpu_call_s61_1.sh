@@ -12,13 +12,13 @@ source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 tar xJf .s61/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
 gpu_prebuilt s61 .s61/carry
 B="python3 benchmarks/hf/bench_accelerate.py --shape llama1b"
-TAIL=40 run 260 accel4096 $B --seq 4096 --steps 12 --out hf_accelerate_s61_4096_all \
+TAIL=40 run 250 accel4096 $B --seq 4096 --steps 12 --out hf_accelerate_s61_4096_all \
   --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,seqfuse_fp8_delayed_fused_adamw,torchao_float8,liger
 cp benchmarks/results/hf_accelerate_s61_4096_all.json "$LOG/" 2>/dev/null
 pack
-TAIL=40 run 200 accel8192 $B --seq 8192 --steps 6 --out hf_accelerate_s61_8192_all \
+TAIL=40 run 170 accel8192 $B --seq 8192 --steps 5 --out hf_accelerate_s61_8192_all \
   --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,torchao_float8,liger
 cp benchmarks/results/hf_accelerate_s61_8192_all.json "$LOG/" 2>/dev/null
 pack
-TAIL=4 run 60 check_cast bin/check_quant_cast
+TAIL=4 run 45 check_cast bin/check_quant_cast
 exit $status
