@@ -3,8 +3,8 @@
 # compiled transformers, torchao's float8 on compiled layers, Liger-Kernel; seqfuse bf16 and FP8 delayed (at 4,096
 # tokens also FP8 delayed stepping seqfuse's FusedAdamW set to torch AdamW's update); 1 x 4,096 tokens; then
 # check_cast on session 60's final kernels (the approximate sigmoid, the K-split SwiGLU backward; its call 5 run
-# passed its limit unchecked); then the same peers at 1 x 8,192 tokens, as far as the device time goes.  The logs are packed after each part (a call cut at its limit keeps
-# what ran).
+# passed its limit unchecked); then the same peers at 1 x 8,192 tokens, as far as the device time goes.  The logs
+# are packed after each part (a call cut at its limit keeps what ran).
 # Carry .whl (torchao 0.18.0, liger-kernel), .s61/carry (lib312.tar.xz, checks.tar.xz, pkg_head.tar.xz):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s61_1.sh
 set -uo pipefail
