@@ -95,12 +95,6 @@ static inline cudaError_t sf_cuda_query_sm_count(int device, int *sms)
     return sf_cuda_query_attribute<cudaDevAttrMultiProcessorCount>(device, sms);
 }
 
-/* The most shared memory a block may opt in to, in bytes (cached). */
-static inline cudaError_t sf_cuda_query_smem_optin(int device, int *bytes)
-{
-    return sf_cuda_query_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, bytes);
-}
-
 /* The same, 132 (an H100 / H200) when the device cannot be asked. */
 static inline int sf_cuda_sm_count(int device)
 {
@@ -108,6 +102,12 @@ static inline int sf_cuda_sm_count(int device)
     if (device < 0 || device >= 64 || sf_cuda_query_sm_count(device, &n) != cudaSuccess || n <= 0)
         return 132;
     return n;
+}
+
+/* The most shared memory a block may opt in to, in bytes (cached). */
+static inline cudaError_t sf_cuda_query_smem_optin(int device, int *bytes)
+{
+    return sf_cuda_query_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, bytes);
 }
 
 /* Blocks for a grid-stride loop over n items: enough to fill the GPU a few
