@@ -29,6 +29,8 @@
  */
 #include <string.h>
 
+#include <mutex> /* std::call_once: device_ok */
+
 #include "../core/cuda_util.h"
 #include "attn_sm90.cuh"
 
@@ -402,11 +404,38 @@ namespace sm90 {
  * SEQFUSE_ATTN_FORWARD_KERNEL, which seqfuse.ops reads, end there). */
 static int g_kernel = 90;
 
-/* Per device: -1 unknown, 0 no (not cc 9.0 or not built for sm_90a), 1 yes. */
+/* Per device, found once (std::call_once: any host thread may ask first):
+ * 1 where the wgmma kernel runs there, else 0 with the reason (empty where
+ * the device is not Hopper: the sm80 kernel is the one for it). */
 constexpr int kMaxDevices = 64;
 static int g_device_ok[kMaxDevices];
 static const char *g_device_why[kMaxDevices];
-static int g_device_known[kMaxDevices];
+static std::once_flag g_device_once[kMaxDevices];
+
+static void find_device_ok(int device)
+{
+    int major = 0, minor = 0;
+    cudaFuncAttributes attr;
+    memset(&attr, 0, sizeof attr);
+    /* a kernel compiled without sm_90a has the static shared marker of SF_SM90_NOT_BUILT */
+    constexpr ForwardSchedule s = forward_schedule(64);
+    g_device_ok[device] = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        g_device_why[device] = "compute capability unreadable";
+    } else if (major != 9 || minor != 0) {
+        g_device_why[device] = "";
+    } else if (cudaFuncGetAttributes(&attr, (const void *)forward_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong,
+                                                                             s.consumers>) != cudaSuccess ||
+               attr.sharedSizeBytes != 0) {
+        (void)cudaGetLastError();
+        g_device_why[device] = "library not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
+    } else {
+        g_device_ok[device] = 1;
+        g_device_why[device] = "";
+    }
+}
 
 static int device_ok(int device, const char **why)
 {
@@ -414,32 +443,7 @@ static int device_ok(int device, const char **why)
         *why = "device index beyond the kernel-choice table";
         return 0;
     }
-    if (!g_device_known[device]) {
-        int major = 0, minor = 0;
-        cudaFuncAttributes attr;
-        memset(&attr, 0, sizeof attr);
-        /* a kernel compiled without sm_90a has the static shared marker of SF_SM90_NOT_BUILT */
-        constexpr ForwardSchedule s = forward_schedule(64);
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-            (void)cudaGetLastError();
-            g_device_ok[device] = 0;
-            g_device_why[device] = "compute capability unreadable";
-        } else if (major != 9 || minor != 0) {
-            g_device_ok[device] = 0;
-            g_device_why[device] = ""; /* not Hopper: the sm80 kernel is the one for it */
-        } else if (cudaFuncGetAttributes(&attr, (const void *)forward_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong,
-                                                                                 s.consumers>) != cudaSuccess ||
-                   attr.sharedSizeBytes != 0) {
-            (void)cudaGetLastError();
-            g_device_ok[device] = 0;
-            g_device_why[device] = "library not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
-        } else {
-            g_device_ok[device] = 1;
-            g_device_why[device] = "";
-        }
-        g_device_known[device] = 1;
-    }
+    std::call_once(g_device_once[device], find_device_ok, device);
     *why = g_device_why[device];
     return g_device_ok[device];
 }

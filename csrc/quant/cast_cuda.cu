@@ -597,10 +597,14 @@ sf_status launch_cast_current(const sf_cast_args *a, float fp8_max, float pow2_n
                               cudaStream_t stream)
 {
     static const char op[] = "cast_fp8_current";
-    static int per_sm = 0; /* resident CTAs per SM: a property of the kernel, asked once */
-    if (per_sm == 0)
+    /* resident CTAs per SM: a property of the kernel, asked once (any host thread may ask first) */
+    static std::atomic<int> cached_per_sm{0};
+    int per_sm = cached_per_sm.load(std::memory_order_relaxed);
+    if (per_sm == 0) {
         SF_CUDA_TRY(op, cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                             &per_sm, cast_current_kernel<T, E5M2>, kThreads, 0));
+        cached_per_sm.store(per_sm, std::memory_order_relaxed);
+    }
     int sms = 0;
     SF_TRY(device_sms(op, &sms));
     if (per_sm < 1)
