@@ -414,26 +414,16 @@ static std::once_flag g_device_once[kMaxDevices];
 
 static void find_device_ok(int device)
 {
-    int major = 0, minor = 0;
-    cudaFuncAttributes attr;
-    memset(&attr, 0, sizeof attr);
-    /* a kernel compiled without sm_90a has the static shared marker of SF_SM90_NOT_BUILT */
     constexpr ForwardSchedule s = forward_schedule(64);
-    g_device_ok[device] = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-        (void)cudaGetLastError();
-        g_device_why[device] = "compute capability unreadable";
-    } else if (major != 9 || minor != 0) {
-        g_device_why[device] = "";
-    } else if (cudaFuncGetAttributes(&attr, (const void *)forward_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong,
-                                                                             s.consumers>) != cudaSuccess ||
-               attr.sharedSizeBytes != 0) {
-        (void)cudaGetLastError();
+    const void *kernel = (const void *)forward_sm90_ws_kernel<__nv_bfloat16, 64, s.pingpong, s.consumers>;
+    const sf_sm90_fit fit = sf_sm90_kernel_fit(device, kernel);
+    g_device_ok[device] = fit == SF_SM90_RUNS;
+    switch (fit) {
+    case SF_SM90_CC_UNREADABLE: g_device_why[device] = "compute capability unreadable"; break;
+    case SF_SM90_NOT_BUILT_FOR:
         g_device_why[device] = "library not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
-    } else {
-        g_device_ok[device] = 1;
-        g_device_why[device] = "";
+        break;
+    default: g_device_why[device] = ""; /* (Hopper, or not: then the sm80 kernel is its one, no reason) */
     }
 }
 

@@ -10,6 +10,7 @@
 #define SF_CUDA_UTIL_H
 
 #include <atomic>
+#include <string.h> /* memset: sf_sm90_kernel_fit */
 #include <cuda_runtime.h>
 
 #include "seqfuse.h"
@@ -132,5 +133,29 @@ static inline int sf_grid_size(int64_t n, int block, int max_blocks)
         __trap();                                                                                      \
     } while (0)
 #endif
+
+/* Whether the wgmma (sm_90a) kernel `kernel` runs on `device`: its compute
+ * capability is 9.0 and the kernel was built for sm_90a (SF_SM90_NOT_BUILT's
+ * marker absent).  Asks the device: callers cache the answer per device. */
+typedef enum { SF_SM90_RUNS, SF_SM90_CC_UNREADABLE, SF_SM90_NOT_HOPPER, SF_SM90_NOT_BUILT_FOR } sf_sm90_fit;
+
+static inline sf_sm90_fit sf_sm90_kernel_fit(int device, const void *kernel)
+{
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return SF_SM90_CC_UNREADABLE;
+    }
+    if (major != 9 || minor != 0)
+        return SF_SM90_NOT_HOPPER;
+    cudaFuncAttributes fa;
+    memset(&fa, 0, sizeof fa);
+    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes != 0) {
+        (void)cudaGetLastError();
+        return SF_SM90_NOT_BUILT_FOR;
+    }
+    return SF_SM90_RUNS;
+}
 
 #endif /* SF_CUDA_UTIL_H */
