@@ -27,8 +27,6 @@
  * forward_sm90_selected (the kernel choice 90 or 80, sf_attn_set_forward_kernel,
  * default 90; the device; the head dim; dropout).
  */
-#include <string.h>
-
 #include <mutex> /* std::call_once: device_ok */
 
 #include "../core/cuda_util.h"
@@ -423,7 +421,10 @@ static void find_device_ok(int device)
     case SF_SM90_NOT_BUILT_FOR:
         g_device_why[device] = "library not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
         break;
-    default: g_device_why[device] = ""; /* (Hopper, or not: then the sm80 kernel is its one, no reason) */
+    case SF_SM90_RUNS:
+    case SF_SM90_NOT_HOPPER: /* (runs, or not Hopper: the sm80 kernel is its one, no reason to give) */
+        g_device_why[device] = "";
+        break;
     }
 }
 

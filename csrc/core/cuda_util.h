@@ -136,7 +136,9 @@ static inline int sf_grid_size(int64_t n, int block, int max_blocks)
 
 /* Whether the wgmma (sm_90a) kernel `kernel` runs on `device`: its compute
  * capability is 9.0 and the kernel was built for sm_90a (SF_SM90_NOT_BUILT's
- * marker absent).  Asks the device: callers cache the answer per device. */
+ * marker absent).  The kernel's attributes are read for the current device:
+ * make `device` current first.  Asks the device: callers cache the answer
+ * per device. */
 typedef enum { SF_SM90_RUNS, SF_SM90_CC_UNREADABLE, SF_SM90_NOT_HOPPER, SF_SM90_NOT_BUILT_FOR } sf_sm90_fit;
 
 static inline sf_sm90_fit sf_sm90_kernel_fit(int device, const void *kernel)

@@ -83,7 +83,6 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
-#include <string.h>
 
 #include "../core/cuda_util.h"
 #include "grouped_sm90.h"

@@ -645,8 +645,8 @@ extern "C" sf_status sf_cast_fp8_current_cuda(const sf_cast_args *a, float fp8_m
     *launched = a->out_t && a->m > 0 && a->k % 8 == 0 && a->mp % 16 == 0 && aligned(a->x, 16) &&
                 aligned(a->out_t, 16) && (!a->out || aligned(a->out, 8)) && a->scale_inv;
     if (*launched) {
-        /* cooperative launches on this device (every recent GPU: yes; cached, as this is the
-         * weight cast's per-call path) */
+        /* cooperative launches on this device (every recent GPU: yes; a yes is cached, as this is
+         * the weight cast's per-call path) */
         int yes = 0;
         if (sf_cuda_query_attribute<cudaDevAttrCooperativeLaunch>(device, &yes) != cudaSuccess)
             (void)cudaGetLastError();
