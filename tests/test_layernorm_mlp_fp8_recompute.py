@@ -249,7 +249,6 @@ def test_one_pass_swiglu_runs_and_matches_the_kernel_path(device, recompute, mon
     del warm
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_one_pass_operand_remade_after_an_inference_forward(device, monkeypatch, seed):
     """An FP8 forward without autograd first gives FC2's input an amax

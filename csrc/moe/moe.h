@@ -70,7 +70,7 @@ SF_HD float sf_moe_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 #if defined(__CUDA_ARCH__)
 SF_HD float sf_moe_swiglu_sigmoid(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 #else
-SF_HD float sf_moe_swiglu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+SF_HD float sf_moe_swiglu_sigmoid(float x) { return sf_moe_sigmoid(x); }
 #endif
 
 /* s[e] = softmax(l)[e] over one row of E values read from (p, d) at `off`. */

@@ -688,11 +688,10 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
     call(1);
     const std::vector<uint8_t> g_dx = dx.down(), g_dp = dprobs.down(), g_t = out_t.down(), g_go = g_out.down(),
                                g_gt = g_out_t.down(), g_slots = slots.down();
-    /* dx: one rounding of the dtype apart at most (the device's sigmoid is a few ulp from libm's, products differ
-     * by their rounding),
-     * measured against the size of the terms the gate's gradient adds: dout * p * up * s * (1 + gate * (1 - s))
-     * cancels near gate = -1.28, where an ulp of its terms is many ulps of the result.  The up's gradient,
-     * dout * p * silu(gate), is one product: measured against itself. */
+    /* dx: one rounding of the dtype apart at most (the device's sigmoid is a few ulp from libm's, products
+     * differ by their rounding), measured against the size of the terms the gate's gradient adds:
+     * dout * p * up * s * (1 + gate * (1 - s)) cancels near gate = -1.28, where an ulp of its terms is many
+     * ulps of the result.  The up's gradient, dout * p * silu(gate), is one product: measured against itself. */
     const double tol = dtype == SF_FLOAT32 ? 1e-5 : dtype == SF_FLOAT16 ? 2e-3 : 1.6e-2;
     /* below float16's smallest normal (2^-14) its spacing is fixed (2^-24): a result there is compared against
      * that floor, else an ulp of a subnormal result counts as a relative error */
