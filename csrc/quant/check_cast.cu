@@ -312,15 +312,25 @@ static GroupedBuffers grouped_shape(const std::vector<int64_t> &splits, int64_t 
 }
 
 /* FP8 bytes a and b of n elements: 0 where equal, else the number of
- * elements that differ, or -1 where one differs by more than one code (or
- * in sign). */
-static int64_t fp8_differences(const uint8_t *a, const uint8_t *b, int64_t n)
+ * elements that differ, or -1 where one is more than one code from the
+ * other on the number line.  A code's place there is its magnitude bits,
+ * negated for a negative sign: +0 and -0 share place 0 (a result that
+ * rounds to zero from either side is the same value), and the codes either
+ * side of zero are one step from it, so a value near zero computed with
+ * the other sign by the other backend is one code away, not a sign error.
+ * ``far``, where given, gets the index of the element that returned -1. */
+static int fp8_place(uint8_t c) { return c & 0x80 ? -(int)(c & 0x7f) : (int)(c & 0x7f); }
+
+static int64_t fp8_differences(const uint8_t *a, const uint8_t *b, int64_t n, int64_t *far = NULL)
 {
     int64_t d = 0;
     for (int64_t i = 0; i < n; ++i)
         if (a[i] != b[i]) {
-            if ((a[i] ^ b[i]) & 0x80 || abs((int)(a[i] & 0x7f) - (int)(b[i] & 0x7f)) > 1)
+            if (abs(fp8_place(a[i]) - fp8_place(b[i])) > 1) {
+                if (far)
+                    *far = i;
                 return -1;
+            }
             ++d;
         }
     return d;
@@ -725,26 +735,44 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
         const float c = check_load(SF_FLOAT32, dprobs.h.data(), r), g = check_load(SF_FLOAT32, g_dp.data(), r);
         ok = ok && fabsf(c - g) <= 1e-4f * (float)k * (0.05f + fabsf(c));
     }
-    int64_t differ = 0;
+    const char *broke = ok ? "" : "; dx, dprobs or an end sentinel"; /* the first part that fails, named */
+    int64_t differ = 0, far = -1;
+    const uint8_t *far_cpu = NULL, *far_gpu = NULL;
     const int64_t d_t = fp8_differences(out_t.h.data(), g_t.data(), n_t);
+    if (ok && !(d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xff))
+        broke = d_t < 0 ? "; out_t: a code more than one step off" : "; out_t: codes one step off or its sentinel";
     ok = ok && d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xff;
     differ += d_t > 0 ? d_t : 0;
     for (int o = 0; grad && o < 2; ++o) {
         const std::vector<uint8_t> &cpu = (o ? g_out_t : g_out).h, &got = o ? g_gt : g_go;
-        const int64_t d = fp8_differences(cpu.data(), got.data(), n_g);
+        const int64_t d = fp8_differences(cpu.data(), got.data(), n_g, far_cpu ? NULL : &far);
+        if (d < 0 && !far_cpu) {
+            far_cpu = cpu.data();
+            far_gpu = got.data();
+        }
+        if (ok && !(d >= 0 && d * 1000 <= n_g && got[n_g] == 0xff))
+            broke = d < 0 ? (o ? "; dx's transposed copy: a code more than one step off"
+                               : "; dx's row-wise copy: a code more than one step off")
+                          : (o ? "; dx's transposed copy: codes one step off or its sentinel"
+                               : "; dx's row-wise copy: codes one step off or its sentinel");
         ok = ok && d >= 0 && d * 1000 <= n_g && got[n_g] == 0xff;
         differ += d > 0 ? d : 0;
     }
     for (int64_t i = 0; i < 5 * G; ++i) {
         const float c = check_load(SF_FLOAT32, slots.h.data(), i), g = check_load(SF_FLOAT32, g_slots.data(), i);
+        if (ok && !(fabsf(c - g) <= fabsf(c) * 0x1p-7f))
+            broke = "; a scale, scale inverse or amax slot";
         ok = ok && fabsf(c - g) <= fabsf(c) * 0x1p-7f;
     }
-    char what[240];
+    if (far_cpu) /* which element, and its two codes */
+        printf("swiglu_backward_grouped: dx's copy element %lld: CPU code 0x%02x, GPU code 0x%02x\n", (long long)far,
+               far_cpu[far], far_gpu[far]);
+    char what[320];
     snprintf(what, sizeof what, "swiglu_backward_grouped %s G=%lld rows %lld (padded %lld) K=%lld%s%s%s%s "
-             "(dx's worst error against its terms %.1e%s)", sf_dtype_name(dtype), (long long)G, (long long)m,
+             "(dx's worst error against its terms %.1e%s%s)", sf_dtype_name(dtype), (long long)G, (long long)m,
              (long long)mp, (long long)k, want_dx ? " dx" : "", grad ? " grad copies" : "",
              dout_padded ? " dout padded" : "", with_probs ? "" : " no probs", worst,
-             differ ? ", FP8 codes one step apart: some" : "");
+             differ ? ", FP8 codes one step apart: some" : "", ok ? "" : broke);
     check_report(ok, what);
 }
 
