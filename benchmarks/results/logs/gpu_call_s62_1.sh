@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 62, call 1 (session 61's call 1, which never ran: every start failed): accelerate() at the Llama 3.2 1B
+# Session 62, call 1 (session 61 wrote it; none of its starts came up): accelerate() at the Llama 3.2 1B
 # shape with every peer in one process per length: eager and
 # compiled transformers, torchao's float8 on compiled layers, Liger-Kernel; seqfuse bf16 and FP8 delayed (at 4,096
 # tokens also FP8 delayed stepping seqfuse's FusedAdamW set to torch AdamW's update); 1 x 4,096 tokens; then
