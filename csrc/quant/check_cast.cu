@@ -311,22 +311,26 @@ static GroupedBuffers grouped_shape(const std::vector<int64_t> &splits, int64_t 
     return b;
 }
 
-/* FP8 bytes a and b of n elements: 0 where equal, else the number of
- * elements that differ, or -1 where one is more than one code from the
- * other on the number line.  A code's place there is its magnitude bits,
- * negated for a negative sign: +0 and -0 share place 0 (a result that
- * rounds to zero from either side is the same value), and the codes either
- * side of zero are one step from it, so a value near zero computed with
- * the other sign by the other backend is one code away, not a sign error.
- * ``far``, where given, gets the index of the element that returned -1. */
+/* FP8 bytes a and b of n elements of one format (``e5m2``: E5M2, else E4M3):
+ * 0 where equal, else the number of elements that differ, or -1 where one
+ * is more than one code from the other on the number line, or where either
+ * is a NaN or an infinity that the other is not exactly.  A finite code's
+ * place on that line is its magnitude bits, negated for a negative sign: +0
+ * and -0 share place 0 (a result that rounds to zero from either side is
+ * the same value), and the codes either side of zero are one step from it,
+ * so a value near zero computed with the other sign by the other backend is
+ * one code away, not a sign error.  ``far``, where given, gets the index of
+ * the element that returned -1. */
 static int fp8_place(uint8_t c) { return c & 0x80 ? -(int)(c & 0x7f) : (int)(c & 0x7f); }
 
-static int64_t fp8_differences(const uint8_t *a, const uint8_t *b, int64_t n, int64_t *far = NULL)
+static bool fp8_special(uint8_t c, int e5m2) { return e5m2 ? (c & 0x7f) >= 0x7c : (c & 0x7f) == 0x7f; }
+
+static int64_t fp8_differences(const uint8_t *a, const uint8_t *b, int64_t n, int e5m2, int64_t *far = NULL)
 {
     int64_t d = 0;
     for (int64_t i = 0; i < n; ++i)
         if (a[i] != b[i]) {
-            if (abs(fp8_place(a[i]) - fp8_place(b[i])) > 1) {
+            if (fp8_special(a[i], e5m2) || fp8_special(b[i], e5m2) || abs(fp8_place(a[i]) - fp8_place(b[i])) > 1) {
                 if (far)
                     *far = i;
                 return -1;
@@ -424,7 +428,7 @@ static void run_grouped_case(sf_dtype dtype, const std::vector<int64_t> &splits,
             if (!(outs & o))
                 continue;
             const int64_t d = fp8_differences(o == 1 ? cout.data() : cout_t.data(),
-                                              o == 1 ? gout.data() : gout_t.data(), np);
+                                              o == 1 ? gout.data() : gout_t.data(), np, e5m2);
             ok = ok && d >= 0 && d * 1000 <= np;
             differ += d > 0 ? d : 0;
         }
@@ -619,7 +623,7 @@ static void run_ends_case(sf_dtype dtype, const std::vector<int64_t> &splits, in
     call(1);
     const std::vector<uint8_t> g_o = out.down(), g_slots = slots.down();
     int ok = g_o[m * k] == 0xff; /* nothing written past the end */
-    const int64_t d = fp8_differences(out.h.data(), g_o.data(), m * k);
+    const int64_t d = fp8_differences(out.h.data(), g_o.data(), m * k, 0);
     ok = ok && (swiglu ? d >= 0 && d * 1000 <= m * k : d == 0);
     for (int64_t i = 0; i < 3 * G; ++i) {
         const float c = check_load(SF_FLOAT32, slots.h.data(), i), g = check_load(SF_FLOAT32, g_slots.data(), i);
@@ -738,14 +742,14 @@ static void run_swiglu_backward_case(sf_dtype dtype, const std::vector<int64_t> 
     const char *broke = ok ? "" : "; dx, dprobs or an end sentinel"; /* the first part that fails, named */
     int64_t differ = 0, far = -1;
     const uint8_t *far_cpu = NULL, *far_gpu = NULL;
-    const int64_t d_t = fp8_differences(out_t.h.data(), g_t.data(), n_t);
+    const int64_t d_t = fp8_differences(out_t.h.data(), g_t.data(), n_t, 0);
     if (ok && !(d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xff))
         broke = d_t < 0 ? "; out_t: a code more than one step off" : "; out_t: codes one step off or its sentinel";
     ok = ok && d_t >= 0 && d_t * 1000 <= n_t && g_t[n_t] == 0xff;
     differ += d_t > 0 ? d_t : 0;
     for (int o = 0; grad && o < 2; ++o) {
         const std::vector<uint8_t> &cpu = (o ? g_out_t : g_out).h, &got = o ? g_gt : g_go;
-        const int64_t d = fp8_differences(cpu.data(), got.data(), n_g, far_cpu ? NULL : &far);
+        const int64_t d = fp8_differences(cpu.data(), got.data(), n_g, 1, far_cpu ? NULL : &far);
         if (d < 0 && !far_cpu) {
             far_cpu = cpu.data();
             far_gpu = got.data();
