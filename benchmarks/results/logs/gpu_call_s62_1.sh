@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Session 62, call 1 (session 61 wrote it; none of its starts came up): accelerate() at the Llama 3.2 1B
-# shape with every peer in one process per length: eager and
-# compiled transformers, torchao's float8 on compiled layers, Liger-Kernel; seqfuse bf16 and FP8 delayed (at 4,096
-# tokens also FP8 delayed stepping seqfuse's FusedAdamW set to torch AdamW's update); 1 x 4,096 tokens; then
-# check_cast on session 60's final kernels (the approximate sigmoid, the K-split SwiGLU backward; its call 5 run
-# passed its limit unchecked); then the same peers at 1 x 8,192 tokens, as far as the device time goes.  The logs
-# are packed after each part (a call cut at its limit keeps what ran).
+# accelerate() at the Llama 3.2 1B shape with every peer in one process per length: eager and compiled
+# transformers, torchao's float8 on compiled layers, Liger-Kernel; seqfuse bf16 and FP8 delayed (at 4,096 tokens
+# also FP8 delayed stepping seqfuse's FusedAdamW set to torch AdamW's update); 1 x 4,096 tokens; then check_cast on
+# session 60's final kernels (the approximate sigmoid, the K-split SwiGLU backward); then the same peers at 1 x 8,192
+# tokens, as far as the device time goes.  The logs are packed after each part (a call cut at its limit keeps what
+# ran).
 # Carry .whl (torchao 0.18.0, liger-kernel), .s62/carry (lib312.tar.xz, checks.tar.xz, pkg_head.tar.xz):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s62_1.sh
 set -uo pipefail

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# Session 62, call 2: check_cast with 10c6e5a's comparison of FP8 codes by their place on the number line (call 1's
-# run: 861 passed, 1 failed, in the float32 K-split SwiGLU backward's FP8 copies), then where accelerate()'s FP8 step
-# at 4,096 tokens spends the 2.3 ms its kernels leave idle (call 1: 57.70 ms a step, s60's kernels 55.4): the FP8
-# delayed and bf16 rows profiled (bench_accelerate --profile: host issue time, GPU idle gaps by what ends them,
-# the synchronizing calls' stacks).
+# check_cast (its FP8 codes compared by their place on the number line), then accelerate()'s FP8 delayed and bf16
+# steps at 4,096 tokens profiled (bench_accelerate --profile: host issue time, GPU idle gaps by what ends them, the
+# synchronizing calls' stacks): where the step's time beyond its kernels goes.
 # Carry .whl and .s62/carry (lib312.tar.xz, checks.tar.xz, pkg_head.tar.xz):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s62_2.sh
 set -uo pipefail
