@@ -417,6 +417,7 @@ static void find_device_ok(int device)
     const sf_sm90_fit fit = sf_sm90_kernel_fit(device, kernel);
     g_device_ok[device] = fit == SF_SM90_RUNS;
     switch (fit) {
+    case SF_SM90_NO_DEVICE: g_device_why[device] = "the device could not be made current"; break;
     case SF_SM90_CC_UNREADABLE: g_device_why[device] = "compute capability unreadable"; break;
     case SF_SM90_NOT_BUILT_FOR:
         g_device_why[device] = "library not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";

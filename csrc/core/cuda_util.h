@@ -69,9 +69,9 @@ static inline cudaStream_t sf_cuda_stream(sf_stream s) { return (cudaStream_t)s;
 
 /* A device attribute asked once per device and cached (launch sizing runs on
  * every call; the attribute query is not free).  The cache is read and
- * written from any host thread: one atomic int per device and attribute, 0
- * until known (a failed query, or a value of 0, is not cached: asked again
- * next time). */
+ * written from any host thread: one atomic int per device and attribute
+ * holding the answer plus one, 0 until known (every answer is kept, a 0 of a
+ * yes/no attribute too; a failed query is not: asked again next time). */
 template <cudaDeviceAttr A>
 static inline cudaError_t sf_cuda_query_attribute(int device, int *value)
 {
@@ -80,13 +80,13 @@ static inline cudaError_t sf_cuda_query_attribute(int device, int *value)
     if (cacheable) {
         const int n = cached[device].load(std::memory_order_relaxed);
         if (n > 0) {
-            *value = n;
+            *value = n - 1;
             return cudaSuccess;
         }
     }
     const cudaError_t e = cudaDeviceGetAttribute(value, A, device);
-    if (e == cudaSuccess && cacheable && *value > 0)
-        cached[device].store(*value, std::memory_order_relaxed);
+    if (e == cudaSuccess && cacheable && *value >= 0)
+        cached[device].store(*value + 1, std::memory_order_relaxed);
     return e;
 }
 
@@ -136,28 +136,38 @@ static inline int sf_grid_size(int64_t n, int block, int max_blocks)
 
 /* Whether the wgmma (sm_90a) kernel `kernel` runs on `device`: its compute
  * capability is 9.0 and the kernel was built for sm_90a (SF_SM90_NOT_BUILT's
- * marker absent).  The kernel's attributes are read for the current device:
- * make `device` current first.  Asks the device: callers cache the answer
- * per device. */
-typedef enum { SF_SM90_RUNS, SF_SM90_CC_UNREADABLE, SF_SM90_NOT_HOPPER, SF_SM90_NOT_BUILT_FOR } sf_sm90_fit;
+ * marker absent; the kernel's attributes are those of the current device, so
+ * `device` is made current for the question and the previous one restored).
+ * Asks the device: callers cache the answer per device. */
+typedef enum {
+    SF_SM90_RUNS,
+    SF_SM90_NO_DEVICE, /* `device` could not be made current */
+    SF_SM90_CC_UNREADABLE,
+    SF_SM90_NOT_HOPPER,
+    SF_SM90_NOT_BUILT_FOR
+} sf_sm90_fit;
 
 static inline sf_sm90_fit sf_sm90_kernel_fit(int device, const void *kernel)
 {
+    sf_cuda_device_guard guard;
+    if (sf_cuda_device_enter("sm90 kernel check", device, &guard) != SF_OK)
+        return SF_SM90_NO_DEVICE;
+    sf_sm90_fit fit = SF_SM90_RUNS;
     int major = 0, minor = 0;
+    cudaFuncAttributes fa;
+    memset(&fa, 0, sizeof fa);
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
         (void)cudaGetLastError();
-        return SF_SM90_CC_UNREADABLE;
-    }
-    if (major != 9 || minor != 0)
-        return SF_SM90_NOT_HOPPER;
-    cudaFuncAttributes fa;
-    memset(&fa, 0, sizeof fa);
-    if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes != 0) {
+        fit = SF_SM90_CC_UNREADABLE;
+    } else if (major != 9 || minor != 0) {
+        fit = SF_SM90_NOT_HOPPER;
+    } else if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess || fa.sharedSizeBytes != 0) {
         (void)cudaGetLastError();
-        return SF_SM90_NOT_BUILT_FOR;
+        fit = SF_SM90_NOT_BUILT_FOR;
     }
-    return SF_SM90_RUNS;
+    sf_cuda_device_restore(&guard);
+    return fit;
 }
 
 #endif /* SF_CUDA_UTIL_H */

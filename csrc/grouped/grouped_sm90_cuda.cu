@@ -616,20 +616,15 @@ const char *device_unfit(int device)
     if (device < 0 || device >= 64)
         return "the kernel takes device ids 0 to 63";
     std::call_once(once[device], [device] {
-        sf_cuda_device_guard guard;
-        if (sf_cuda_device_enter("grouped_gemm", device, &guard) != SF_OK) {
-            why[device] = "the device could not be made current";
-            return;
-        }
         switch (sf_sm90_kernel_fit(device, (const void *)grouped_sm90_kernel<kBf16, Library>)) {
         case SF_SM90_RUNS: break;
+        case SF_SM90_NO_DEVICE: why[device] = "the device could not be made current"; break;
         case SF_SM90_CC_UNREADABLE: why[device] = "the device's compute capability could not be read"; break;
         case SF_SM90_NOT_HOPPER: why[device] = "the kernel runs on compute capability 9.0 (Hopper) only"; break;
         case SF_SM90_NOT_BUILT_FOR:
             why[device] = "the library was not built for sm_90a (SEQFUSE_CUDA_ARCHS lacks 90a)";
             break;
         }
-        sf_cuda_device_restore(&guard);
     });
     return why[device];
 }
