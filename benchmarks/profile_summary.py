@@ -89,16 +89,19 @@ def gaps(merged, top=5):
     return sorted(out, reverse=True)[:top]
 
 
-def launchers(events):
+def launchers(events, cats=HOST_CATS, keep=None):
     """correlation id -> the host ops around the runtime call that launched
     it, innermost first (at most 3 names), from the trace's cuda_runtime /
-    cuda_driver events and the cpu_op / user_annotation ranges of the same
-    thread that contain them (one sweep per thread: a thread's ranges nest)."""
+    cuda_driver events and the ranges of ``cats`` (cpu_op / user_annotation;
+    PY_CATS: the Python frames of a profile taken with_stack) of the same
+    thread that contain them (one sweep per thread: a thread's ranges nest).
+    ``keep``: a test of a range's name; the ranges it refuses are skipped
+    (seqfuse's own frames among torch's and the harness's)."""
     per_thread = {}
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
-        if e.get("cat") in HOST_CATS:
+        if e.get("cat") in cats and (keep is None or keep(e["name"])):
             kind = 0
         elif e.get("cat") in RUNTIME_CATS and (e.get("args") or {}).get("correlation") is not None:
             kind = 1
@@ -227,10 +230,43 @@ def summarize(events, steps, host_ms=(), cpu_ms=(), title="", top=25):
     for name, (n, d) in sorted(by.items(), key=lambda x: -x[1][1])[:top]:
         short = name if len(name) <= 110 else name[:107] + "..."
         lines.append(f"{d / 1e3 / per:8.2f} {n / per:10.1f} {d / n:8.1f} {100 * d / max(total, 1e-9):5.1f}  {short}")
+    lines += memset_section(events, gpu, per)
     lines += host_section(events, steps)
     lines += children_section(events, steps)
     lines += runtime_section(events, steps)
     return "\n".join(lines) + "\n", nums
+
+
+def _seqfuse_frame(name):
+    """A Python frame of seqfuse's package (from the checkout's python/ or installed)."""
+    return "python/seqfuse/" in name or "site-packages/seqfuse/" in name
+
+
+def memset_section(events, gpu, per, top=15):
+    """The GPU's memsets by what launched them (per step): the host ops and,
+    in a profile taken with_stack, seqfuse's innermost Python frames around
+    the runtime call.  Each memset is a queue entry of its own in the
+    stream (about a microsecond of work and the gap before the next
+    kernel): a library's hidden ones show here."""
+    sets = [e for e in gpu if e.get("cat") == "gpu_memset"]
+    if not sets:
+        return []
+    hosts = launchers(events)
+    frames = launchers(events, PY_CATS, keep=_seqfuse_frame)
+    by = {}
+    for e in sets:
+        corr = (e.get("args") or {}).get("correlation")
+        key = (" < ".join(hosts.get(corr, ["?"])), " < ".join(frames.get(corr, [])))
+        v = by.setdefault(key, [0, 0.0])
+        v[0] += 1
+        v[1] += e["dur"]
+    lines = ["", f"== GPU memsets by launcher (per step: {len(sets) / per:.1f} memsets, "
+                 f"{sum(e['dur'] for e in sets) / 1e3 / per:.2f} ms) ==",
+             f"{'count':>6} {'ms':>6}  host ops [seqfuse frames]"]
+    for (host, py), (n, d) in sorted(by.items(), key=lambda x: -x[1][0])[:top]:
+        text = host + (f" [{py}]" if py else "")
+        lines.append(f"{n / per:6.1f} {d / 1e3 / per:6.3f}  {text if len(text) <= 220 else text[:217] + '...'}")
+    return lines
 
 
 def runtime_section(events, steps, top=10):

@@ -183,6 +183,33 @@ def test_profile_summary_names_the_host_ops_that_launched_the_waited_kernel():
     assert "inner < outer -> b" in text
 
 
+def test_profile_summary_names_the_launchers_of_memsets():
+    def op(cat, name, ts, dur, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    ev = [_k("gemm", 0, 10, 7),
+          {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 12, "dur": 2, "args": {"correlation": 5}},
+          {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 20, "dur": 2, "args": {"correlation": 6}},
+          {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 30, "dur": 4, "args": {"correlation": 7}},
+          op("cpu_op", "_LayerNormMLPFn", 0, 100),
+          op("python_function", "/w/bench.py(10): step", 0, 100),
+          op("python_function", "/w/python/seqfuse/ops/gemm.py(204): fp8_gemm_nt", 1, 20),
+          op("cuda_runtime", "cudaMemsetAsync", 2, 1, 5),
+          op("cuda_runtime", "cudaMemsetAsync", 8, 1, 6),
+          op("cuda_runtime", "cudaMemsetAsync", 40, 1, 7)]
+    assert profile_summary.launchers(ev, profile_summary.PY_CATS, keep=profile_summary._seqfuse_frame) == {
+        5: ["/w/python/seqfuse/ops/gemm.py(204): fp8_gemm_nt"], 6: ["/w/python/seqfuse/ops/gemm.py(204): fp8_gemm_nt"],
+        7: []}
+    text, _ = profile_summary.summarize(ev, 1)
+    tail = text.split("GPU memsets by launcher (per step: 3.0 memsets, 0.01 ms)")[1].splitlines()
+    frame = "/w/python/seqfuse/ops/gemm.py(204): fp8_gemm_nt"
+    assert tail[2].split(None, 2) == ["2.0", "0.004", f"_LayerNormMLPFn [{frame}]"]
+    assert tail[3].split(None, 2) == ["1.0", "0.004", "_LayerNormMLPFn"]
+
+
 def test_profile_summary_runtime_calls_inside_the_steps_only():
     ev = [_k("gemm", 0, 10, 7),
           {"ph": "X", "cat": "user_annotation", "name": profile_summary.STEP, "ts": 0, "dur": 50},

@@ -336,6 +336,9 @@ def main(argv=None):
                         "(benchmarks/profile_summary.py; the peak memory then covers them too) and, on the GPU, "
                         "the Python stacks of one step's synchronizing CUDA calls into DIR/<out>_<row>_syncs.txt")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="record Python frames in the profile (with_stack): its memsets are then named by seqfuse's "
+                        "frames that launched them; the profiler's cost per frame inflates the host times")
     p.add_argument("--memory", default=None, metavar="DIR",
                    help="GPU, train mode: after each row's timed steps, record the allocator's history over two "
                         "more steps and write what is live at their peak, by the Python frames that made it, to "
@@ -389,7 +392,8 @@ def main(argv=None):
 
                 stem = os.path.join(args.profile, f"{out}_{row}")
                 _, syncs = profile_row(lambda _: step(), [None] * args.profile_steps, device, stem,
-                                       f"{row}: {args.shape} {args.mode}, {args.batch} x {args.seq} tokens")
+                                       f"{row}: {args.shape} {args.mode}, {args.batch} x {args.seq} tokens",
+                                       stacks=args.profile_stacks)
                 print(f"{row}: profile in {stem}_profile.txt; synchronizing CUDA calls in one step: {syncs}",
                       flush=True)
         except Exception as e:  # noqa: BLE001 - a failing row is recorded, the others still run

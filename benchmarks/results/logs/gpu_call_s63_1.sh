@@ -3,7 +3,8 @@
 # transformers, torchao's float8 on compiled layers, Liger-Kernel; seqfuse bf16 and FP8 delayed); then the checks of
 # e2517ec's kernels (check_cast with FP8 codes compared by place on the number line, the Hopper attention forward
 # and grouped GEMM after sf_sm90_kernel_fit's device mend); then FP8 delayed and bf16 profiled (bench_accelerate
-# --profile).  The logs are packed after each part (a call cut at its limit keeps what ran).
+# --profile), and the FP8 step once more with Python stacks (what launches its memsets).  The logs are packed
+# after each part (a call cut at its limit keeps what ran).
 # Carry .whl (torchao 0.18.0, liger-kernel 0.8.5) and .s63/carry (lib312.tar.xz, checks.tar.xz, pkg_head.tar.xz):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s63_1.sh
 set -uo pipefail
@@ -23,5 +24,8 @@ mkdir -p "$LOG/profile"
 TAIL=12 run 130 accel_profile $B --seq 4096 --steps 8 \
   --rows seqfuse_fp8_delayed,seqfuse_bf16 --profile "$LOG/profile" --out hf_accelerate_s63_4096_profile
 cp benchmarks/results/hf_accelerate_s63_4096_profile.json "$LOG/" 2>/dev/null
+pack
+TAIL=8 run 100 accel_stacks $B --seq 4096 --steps 3 --rows seqfuse_fp8_delayed --profile "$LOG/profile" \
+  --profile-steps 1 --profile-stacks --out hf_accelerate_s63_4096_stacks
 pack
 exit $status
