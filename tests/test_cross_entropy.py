@@ -406,6 +406,38 @@ def test_cuda_linear_cross_entropy(dtype, chunk, acc, seed):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_cuda_linear_cross_entropy_tunes_its_weight_gradient_sum(switch, seed, monkeypatch):
+    """Over several chunks the first chunk times the summing GEMM's
+    candidates (ops.gemm.tune, accumulate) before it writes the weight
+    gradient; SEQFUSE_GEMM_TUNE=0 times nothing; one chunk sums nothing."""
+    ce = importlib.import_module("seqfuse.modules.cross_entropy")
+    calls, tune = [], ce._tune_gemm
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["accumulate"])
+        return tune(*args, **kwargs)
+
+    monkeypatch.setattr(ce, "_tune_gemm", counted)
+    if switch is None:
+        monkeypatch.delenv("SEQFUSE_GEMM_TUNE", raising=False)
+    else:
+        monkeypatch.setenv("SEQFUSE_GEMM_TUNE", switch)
+    n, h, v = 1024, 256, 8000
+    hidden = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_(True)
+    weight = (torch.randn(v, h, device="cuda") * 0.05).bfloat16().requires_grad_(True)
+    labels = make_labels(n, v, device="cuda")
+    for chunk, tunes in ((256, 1), (None, 0)):
+        calls.clear()
+        hidden.grad = weight.grad = None
+        linear_cross_entropy(hidden, weight, labels, chunk_size=chunk).backward()
+        assert calls == ([True] * tunes if switch is None else []), (chunk, calls)
+        hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
+        F.cross_entropy(hd @ wd.t(), labels).backward()
+        assert_close_rel(weight.grad, wd.grad, torch.bfloat16, factor=2)
+
+
+@pytest.mark.cuda
 def test_cuda_graph_capture(seed):
     logits = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
     labels = make_labels(256, 4096, device="cuda")

@@ -707,3 +707,74 @@ def test_cpu_fp8_through_uint8_views(monkeypatch, seed):
     with pytest.raises(TypeError, match="argument 'a_format' names an fp8 format"):
         seqfuse._C.gemm(torch.ones(2, 2), torch.ones(2, 2), torch.empty(2, 2), 0, 0, None, None,
                         0, 0, None, None, 0, 0, 0, 1, 1.0, None, 3, 0)
+
+
+# ---- tuning: cuBLASLt's candidates timed, the fastest kept for the plan ----
+
+def test_cpu_tune_times_nothing_and_leaves_out(seed):
+    a, b = make((16, 32), torch.bfloat16, trans=True), make((32, 48), torch.bfloat16)
+    out = torch.full((16, 48), 3.0, dtype=torch.bfloat16)
+    assert gemm_mod.tune(a, b, out, transa=True, accumulate=True) is None
+    assert torch.equal(out, torch.full_like(out, 3.0))
+
+
+def test_tune_refuses_bad_arguments():
+    a, b, out = torch.ones(4, 8), torch.ones(8, 4), torch.empty(4, 4)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="argument 'candidates' must be within 1..16, got %d" % bad):
+            gemm_mod.tune(a, b, out, candidates=bad)
+    with pytest.raises(TypeError, match="argument 'candidates' must be an int, got bool"):
+        gemm_mod.tune(a, b, out, candidates=True)
+    with pytest.raises(TypeError, match="arguments 'a', 'b' and 'out' must be torch.Tensors"):
+        gemm_mod.tune(a, b, None)
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        gemm_mod.tune(a, torch.ones(4, 8), out)
+    with pytest.raises(TypeError, match="'timings' must be a contiguous float32 tensor of 3 elements on the CPU"):
+        seqfuse._C.gemm_tune(a, b, out, 0, 0, None, None, 0, 0, None, None, 0, 0, 0, 1, 1.0, None, 0, 0, None, 4,
+                             torch.empty(2))
+
+
+def test_tuning_switch(monkeypatch):
+    monkeypatch.delenv("SEQFUSE_GEMM_TUNE", raising=False)
+    assert gemm_mod.tuning_enabled()
+    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")
+    assert not gemm_mod.tuning_enabled()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cuda_tune_keeps_a_plan_that_computes_the_product(accumulate, seed):
+    """The summing GEMM of a chunked loss's weight gradient ([V, H] +=
+    dlogits^T h): tuned once per plan (a second tune times nothing), with
+    the heuristic's choice's time and the kept one's reported; the products
+    after it (written anew, then added into) equal the reference."""
+    gemm_mod.plan_cache_clear()
+    v, h, rows = 1000, 256, 512
+    dl, hs = make((rows, v), torch.bfloat16, "cuda"), make((rows, h), torch.bfloat16, "cuda")
+    out = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
+    got = gemm_mod.tune(dl, hs, out, transa=True, accumulate=accumulate)
+    assert got is not None
+    first, kept, rank = got
+    assert first > 0 and 0 < kept <= first and rank >= 0 and (rank == 0 or kept <= 0.97 * first)
+    assert gemm_mod.tune(dl, hs, out, transa=True, accumulate=accumulate) is None
+    gemm(dl, hs, transa=True, out=out)
+    dl2, hs2 = make((rows, v), torch.bfloat16, "cuda"), make((rows, h), torch.bfloat16, "cuda")
+    gemm(dl2, hs2, transa=True, out=out, accumulate=True)
+    ref = reference(dl, hs, True, False)[0] + reference(dl2, hs2, True, False)[0]
+    assert_close_rel(out, ref, torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_cuda_tune_refused_under_capture(seed):
+    gemm_mod.plan_cache_clear()
+    a, b = make((256, 128), torch.bfloat16, "cuda"), make((128, 64), torch.bfloat16, "cuda")
+    out = torch.empty(256, 64, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemm(a, b, out=out)  # warm up: plan + workspace
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="capturing a CUDA graph"):
+        with torch.cuda.graph(g):
+            gemm_mod.tune(a, b, out)

@@ -223,7 +223,13 @@ def test_fusion_ab_switches_patch_and_restore():
               "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")],
               "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")],
               "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")]}
-    assert set(owners) == set(fusion_ab.SWITCHES)
+    assert set(owners) | {"gemm_tune"} == set(fusion_ab.SWITCHES)
+    # gemm_tune switches the environment's SEQFUSE_GEMM_TUNE (and drops the plan cache), no attribute
+    set_new, set_old = fusion_ab.SWITCHES["gemm_tune"]()
+    set_old()
+    assert not fusion_ab.GEMM.tuning_enabled()
+    set_new()
+    assert fusion_ab.GEMM.tuning_enabled()
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
         set_new, set_old = fusion_ab.SWITCHES[name]()

@@ -105,7 +105,7 @@ int main() {
   // the LM head (bf16): per chunk of C token rows, logits [C, V] = h [C, H] W[V, H]^T, grad_h [C, H] =
   // dlogits [C, V] W [V, H], grad_W [V, H] (+)= dlogits^T h (beta 1 after the first chunk)
   const long V = 128256;
-  CK(cudaFree(A)); CK(cudaFree(B)); CK(cudaFree(D)); CK(cudaFree(A8)); CK(cudaFree(B8));
+  CK(cudaFree(A16)); CK(cudaFree(B16)); CK(cudaFree(D)); CK(cudaFree(A8)); CK(cudaFree(B8));
   size_t head = (size_t)V * 4096 * 2 + 4096;  // the largest operand: a 4,096-row chunk of logits (H <= 4,096)
   CK(cudaMalloc(&A, head)); CK(cudaMalloc(&B, head)); CK(cudaMalloc(&D, head));
   fill<<<1024, 256>>>((uint8_t *)A, head, 0); fill<<<1024, 256>>>((uint8_t *)B, head, 0);

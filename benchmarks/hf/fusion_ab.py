@@ -45,6 +45,11 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   transposed copy, against the activation kernels (the
                   activation made again, its FP8 gradient, two byte
                   transposes)
+  gemm_tune       the fused loss's weight-gradient sum on the algorithm
+                  seqfuse.ops.gemm.tune kept (cuBLASLt's candidates timed
+                  once per plan) against the heuristic's first choice
+                  (SEQFUSE_GEMM_TUNE=0); each switch drops the plan cache, so
+                  each round's untimed first step queries (and tunes) again
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
 over 3 steps; immune to launch gaps and host noise) and the kernels whose
@@ -119,6 +124,22 @@ CE = importlib.import_module("seqfuse.modules.cross_entropy")  # (the package ex
 _chunk_rule = CE.default_chunk_size
 
 
+GEMM = importlib.import_module("seqfuse.ops.gemm")  # (the package exports the op under the module's name)
+
+
+def _gemm_tune_switch():
+    """(tuning on, off), each with the plan cache dropped: a plan keeps the
+    algorithm it was tuned to whatever the switch says later."""
+    def set_to(value):
+        if value is None:
+            os.environ.pop("SEQFUSE_GEMM_TUNE", None)
+        else:
+            os.environ["SEQFUSE_GEMM_TUNE"] = value
+        GEMM.plan_cache_clear()
+
+    return (lambda: set_to(None)), (lambda: set_to("0"))
+
+
 def _together(*switches):
     """One switch setting several."""
     return (lambda: [s[0]() for s in switches]), (lambda: [s[1]() for s in switches])
@@ -171,6 +192,7 @@ SWITCHES = {
     "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
     "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
     "one_pass_swiglu": lambda: _attribute_switch(LNMLP, "_one_pass_swiglu", lambda q, h, activation: False),
+    "gemm_tune": _gemm_tune_switch,
 }
 
 

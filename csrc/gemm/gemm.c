@@ -429,6 +429,26 @@ sf_status sf_gemm(const sf_gemm_args *g, sf_stream stream)
     return SF_DISPATCH(OP, "a", g->a, sf_gemm_cpu(&p), sf_gemm_cuda(&p, stream));
 }
 
+sf_status sf_gemm_tune(const sf_gemm_args *g, int candidates, sf_tensor *timings, sf_stream stream)
+{
+    static const char op[] = "gemm_tune";
+    if (candidates < 1 || candidates > 16)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'candidates' must be within 1..16, got %d", op, candidates);
+    if (!timings || timings->dtype != SF_FLOAT32 || sf_numel(timings) != 3 || !sf_is_contiguous(timings) ||
+        timings->device != SF_CPU)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'timings' must be a contiguous float32 tensor of 3 elements "
+                       "on the CPU", op);
+    SF_TRY(sf_check_writable(op, "timings", timings));
+    sf_gemm_problem p;
+    int empty;
+    SF_TRY(prepare(g, &p, &empty));
+    float *t = (float *)timings->data;
+    t[0] = t[1] = t[2] = -1.0f;
+    if (empty)
+        return SF_OK;
+    return SF_DISPATCH(op, "a", g->a, SF_OK, sf_gemm_tune_cuda(&p, candidates, t, stream));
+}
+
 #ifndef SF_WITH_CUDA
 /* CPU-only builds: the plan cache does not exist. */
 int sf_gemm_plan_cache_size(void) { return 0; }

@@ -15,6 +15,8 @@ extern "C" {
 
 sf_status sf_gemm_cpu(const sf_gemm_problem *p);
 sf_status sf_gemm_cuda(const sf_gemm_problem *p, sf_stream stream);
+/* sf_gemm_tune's CUDA part: times[0..2] as its timings (written). */
+sf_status sf_gemm_tune_cuda(const sf_gemm_problem *p, int candidates, float *times, sf_stream stream);
 
 #ifdef __cplusplus
 }

@@ -92,7 +92,8 @@ struct Plan {
     PlanKey key;
     int64_t m, k;                    /* our exact m and k the layouts describe now; -1: none */
     int algo_confirmed;              /* algo has run (or was chosen) for the exact m and k */
-    cublasLtMatmulAlgo_t class_algo; /* the heuristic's choice at the class's upper bound */
+    cublasLtMatmulAlgo_t class_algo; /* the heuristic's choice at the class's upper bound, or sf_gemm_tune's */
+    int tuned;                       /* sf_gemm_tune chose class_algo by timing */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
@@ -412,17 +413,18 @@ fail:
     return st;
 }
 
-/* Ask the heuristic for the best algorithm for the problem plan's
- * descriptor and layouts describe now (p for the messages), into *algo. */
-sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, cublasLtMatmulAlgo_t *algo)
+/* Ask the heuristic for its best `want` algorithms (1..16), best first,
+ * for the problem the plan's descriptor and layouts describe now (p for the
+ * messages), into out[0 .. *got - 1]. */
+sf_status query_algos(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, int want,
+                      cublasLtMatmulHeuristicResult_t *out, int *got)
 {
     const PlanKey *k = &plan->key;
     sf_status st = SF_OK;
     cublasLtMatmulPreference_t pref = NULL;
     cublasStatus_t s;
-    int returned = 0;
-    cublasLtMatmulHeuristicResult_t result;
-    memset(&result, 0, sizeof result);
+    *got = 0;
+    memset(out, 0, sizeof *out * (size_t)want);
 
 #define CA_TRY(what, call) LT_TRY_GOTO(what, call, done)
 
@@ -440,20 +442,28 @@ sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, 
                    cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
     }
     g_queries++;
-    s = cublasLtMatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld, pref, 1,
-                                       &result, &returned);
-    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && returned == 0))
+    s = cublasLtMatmulAlgoGetHeuristic(h, plan->desc, plan->la, plan->lb, plan->ld, plan->ld, pref, want, out,
+                                       got);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && *got == 0))
         st = describe_no_algo(p, s);
     else if (s != CUBLAS_STATUS_SUCCESS)
         st = lt_fail(s, "MatmulAlgoGetHeuristic");
-    else
-        *algo = result.algo;
 #undef CA_TRY
 #undef LT_TRY_GOTO
 done:
     if (pref)
         cublasLtMatmulPreferenceDestroy(pref);
     return st;
+}
+
+/* The heuristic's best algorithm for the problem the plan describes now, into *algo. */
+sf_status choose_algo(cublasLtHandle_t h, const sf_gemm_problem *p, Plan *plan, cublasLtMatmulAlgo_t *algo)
+{
+    cublasLtMatmulHeuristicResult_t result;
+    int returned = 0;
+    SF_TRY(query_algos(h, p, plan, 1, &result, &returned));
+    *algo = result.algo;
+    return SF_OK;
 }
 
 /* Describe p's exact sizes in the plan's layouts and take the class
@@ -539,7 +549,92 @@ sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
     return SF_OK;
 }
 
+/* sf_gemm_tune on the GPU (the caller holds g_lock): the heuristic's first
+ * `candidates` algorithms for p's exact sizes, each run once and then timed
+ * over kRuns runs between two events on the stream; the fastest becomes the
+ * plan's algorithm at every size of its class (a size it cannot run takes
+ * the heuristic's choice for that size, as any class algorithm does), unless
+ * it beats the heuristic's own by less than 3 %.  A candidate cuBLASLt
+ * refuses to run is skipped. */
+sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cudaStream_t stream)
+{
+    constexpr int kRuns = 3;
+    cublasLtHandle_t h = NULL;
+    SF_TRY(get_handle_locked(p->device_id, &h));
+    Plan *plan = NULL;
+    SF_TRY(lookup_locked(h, p, &plan));
+    if (plan->tuned)
+        return SF_OK;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    SF_CUDA_TRY("gemm_tune", cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+        return sf_fail(SF_ERR_VALUE, "gemm_tune: the stream is capturing a CUDA graph; tuning times its runs and "
+                       "waits for them (tune before the capture)");
+    cublasLtMatmulHeuristicResult_t res[16];
+    int got = 0;
+    SF_TRY(query_algos(h, p, plan, candidates, res, &got));
+    cudaEvent_t ev[2] = {NULL, NULL};
+    float ms[16];
+    int best = -1;
+    sf_status st = SF_OK;
+    const cublasLtMatmulAlgo_t before = plan->algo;
+    if (cudaEventCreate(&ev[0]) != cudaSuccess || cudaEventCreate(&ev[1]) != cudaSuccess) {
+        st = sf_cuda_launch_status("gemm_tune", SF_OK);
+        goto done;
+    }
+    for (int i = 0; i < got; ++i) {
+        ms[i] = -1.0f;
+        plan->algo = res[i].algo;
+        if (enqueue(h, p, plan, stream) != CUBLAS_STATUS_SUCCESS)
+            continue; /* (an algorithm this exact problem cannot run: skipped) */
+        bool ran = cudaEventRecord(ev[0], stream) == cudaSuccess;
+        for (int r = 0; r < kRuns && ran; ++r)
+            ran = enqueue(h, p, plan, stream) == CUBLAS_STATUS_SUCCESS;
+        if (!ran || cudaEventRecord(ev[1], stream) != cudaSuccess || cudaEventSynchronize(ev[1]) != cudaSuccess ||
+            cudaEventElapsedTime(&ms[i], ev[0], ev[1]) != cudaSuccess) {
+            st = sf_cuda_launch_status("gemm_tune", sf_fail(SF_ERR_RUNTIME, "gemm_tune: timing candidate %d of %d "
+                                                            "failed", i, got));
+            goto done;
+        }
+        ms[i] /= kRuns;
+        if (best < 0 || ms[i] < ms[best])
+            best = i;
+    }
+    if (best < 0) {
+        st = sf_fail(SF_ERR_RUNTIME, "gemm_tune: cuBLASLt ran none of the %d algorithms its heuristic offered", got);
+        goto done;
+    }
+    if (ms[0] >= 0.0f && ms[best] > 0.97f * ms[0])
+        best = 0;
+    plan->class_algo = plan->algo = res[best].algo;
+    plan->algo_confirmed = 1;
+    plan->tuned = 1;
+    times[0] = ms[0] >= 0.0f ? 1e3f * ms[0] : -1.0f;
+    times[1] = 1e3f * ms[best];
+    times[2] = (float)best;
+done:
+    if (!plan->tuned)
+        plan->algo = before;
+    for (int i = 0; i < 2; ++i)
+        if (ev[i])
+            cudaEventDestroy(ev[i]);
+    return st;
+}
+
 } // namespace
+
+extern "C" sf_status sf_gemm_tune_cuda(const sf_gemm_problem *p, int candidates, float *times, sf_stream s)
+{
+    sf_cuda_device_guard guard;
+    SF_TRY(sf_cuda_device_enter("gemm_tune", p->device_id, &guard));
+    sf_status st;
+    {
+        std::lock_guard<std::mutex> lock(g_lock);
+        st = tune_locked(p, candidates, times, sf_cuda_stream(s));
+    }
+    sf_cuda_device_restore(&guard);
+    return st;
+}
 
 extern "C" sf_status sf_gemm_cuda(const sf_gemm_problem *p, sf_stream s)
 {

@@ -103,6 +103,22 @@ void sf_gemm_args_init(sf_gemm_args *args);
  * a mutex held while a plan's pointers are set and its matmul is enqueued. */
 sf_status sf_gemm(const sf_gemm_args *args, sf_stream stream);
 
+/* Time up to `candidates` (1..16) of cuBLASLt's algorithms for args's
+ * product on `stream` and keep the fastest for every later sf_gemm of the
+ * same plan (the problem as the plan cache keys it: the tokens' size class,
+ * dtypes, layouts, alignments, epilogue, scaling, workspace; accumulate is
+ * not part of the key).  The heuristic's own choice is kept unless another
+ * runs at least 3 % faster (timing noise does not move the choice).  Each
+ * candidate runs 1 + 3 times into args->out, so out holds none of the
+ * caller's values afterwards (with accumulate it was added into over and
+ * over): call it just before a product that writes out anew.  The host
+ * waits for the timed runs; refused under CUDA graph capture.  timings:
+ * float32 [3] in host memory, written: the heuristic's choice's time per
+ * run and the kept one's (microseconds), and the kept one's rank in the
+ * heuristic's order (0: the heuristic's own); all -1 where nothing was
+ * timed (CPU tensors, an empty product, a plan tuned before). */
+sf_status sf_gemm_tune(const sf_gemm_args *args, int candidates, sf_tensor *timings, sf_stream stream);
+
 /* Every check sf_gemm makes of `args`, with the same errors, and nothing
  * launched: for callers that run the product another way (the grouped
  * family's own kernel) under sf_gemm's rules. */

@@ -24,14 +24,19 @@ static int reinterpret_fp8(const char *op, sf_tensor *t, const char *name, int f
 }
 
 /* a_format / b_format: 0, or the sf_dtype of an fp8 operand passed as a uint8
- * view (torch releases that cannot export float8 through DLPack). */
-static const sf_py_arg gemm_args[] = {
-    SF_T(a),           SF_T(b),              SF_T(out),          SF_INT(transa),
-    SF_INT(transb),    SF_OT(a_scale_inv),   SF_OT(b_scale_inv), SF_INT(a_scaling),
-    SF_INT(b_scaling), SF_OT(bias),          SF_OT(aux),         SF_INT(epilogue),
-    SF_INT(accumulate), SF_INT(fast_accum),  SF_INT(allow_tf32), SF_FLOAT(alpha),
-    SF_OT(workspace),  SF_INT(a_format),     SF_INT(b_format),   SF_OT_NONE(addend),
-    SF_STREAM};
+ * view (torch releases that cannot export float8 through DLPack).  The rows
+ * gemm and gemm_tune share, in this order (gemm_args_of reads them). */
+#define SF_GEMM_ARG_ROWS                                                    \
+    SF_T(a),           SF_T(b),              SF_T(out),          SF_INT(transa), \
+    SF_INT(transb),    SF_OT(a_scale_inv),   SF_OT(b_scale_inv), SF_INT(a_scaling), \
+    SF_INT(b_scaling), SF_OT(bias),          SF_OT(aux),         SF_INT(epilogue), \
+    SF_INT(accumulate), SF_INT(fast_accum),  SF_INT(allow_tf32), SF_FLOAT(alpha), \
+    SF_OT(workspace),  SF_INT(a_format),     SF_INT(b_format),   SF_OT_NONE(addend)
+
+static const sf_py_arg gemm_args[] = {SF_GEMM_ARG_ROWS, SF_STREAM};
+
+/* gemm_tune: gemm's arguments, then how many candidates and the host tensor its timings go into. */
+static const sf_py_arg gemm_tune_args[] = {SF_GEMM_ARG_ROWS, SF_INT(candidates), SF_T(timings), SF_STREAM};
 
 static int gemm_prepare(sf_py_frame *f)
 {
@@ -41,7 +46,7 @@ static int gemm_prepare(sf_py_frame *f)
                : 0;
 }
 
-static sf_status gemm_call(sf_py_value *v, sf_stream s)
+static sf_gemm_args gemm_args_of(const sf_py_value *v)
 {
     const sf_gemm_args g = {
         .a = v[0].t, .b = v[1].t, .out = v[2].t, .transa = v[3].i != 0, .transb = v[4].i != 0,
@@ -50,12 +55,27 @@ static sf_status gemm_call(sf_py_value *v, sf_stream s)
         .epilogue = (sf_gemm_epilogue)v[11].i, .accumulate = v[12].i != 0,
         .fast_accum = v[13].i != 0, .allow_tf32 = v[14].i != 0, .alpha = (float)v[15].f,
         .workspace = v[16].t, .addend = v[19].t};
+    return g;
+}
+
+static sf_status gemm_call(sf_py_value *v, sf_stream s)
+{
+    const sf_gemm_args g = gemm_args_of(v);
     return sf_gemm(&g, s);
 }
 SF_PY_BINDING_FULL(gemm, "gemm", gemm_args, gemm_call, gemm_prepare, NULL, NULL,
                    "out = epilogue(alpha * op(a) @ op(b) + beta * (addend or out)). See seqfuse.ops.gemm.");
 
-const sf_py_binding *const sf_py_gemm_bindings[] = {&gemm_binding, NULL};
+static sf_status gemm_tune_call(sf_py_value *v, sf_stream s)
+{
+    const sf_gemm_args g = gemm_args_of(v);
+    return sf_gemm_tune(&g, v[20].i, v[21].t, s);
+}
+SF_PY_BINDING_FULL(gemm_tune, "gemm_tune", gemm_tune_args, gemm_tune_call, gemm_prepare, NULL, NULL,
+                   "Time cuBLASLt's candidates for gemm's product and keep the fastest for its plan; out is "
+                   "overwritten. See seqfuse.ops.gemm.tune.");
+
+const sf_py_binding *const sf_py_gemm_bindings[] = {&gemm_binding, &gemm_tune_binding, NULL};
 
 SF_PY_NOARGS(py_gemm_plan_cache_size, PyLong_FromLong(sf_gemm_plan_cache_size()))
 SF_PY_NOARGS(py_gemm_plan_cache_clear, (sf_gemm_plan_cache_clear(), Py_NewRef(Py_None)))

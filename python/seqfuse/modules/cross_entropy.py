@@ -50,7 +50,10 @@ from ..ops.args import as_int as _as_int
 from ..ops import pending_errors as _pending
 from ..ops.device_checks import check_labels as _check_labels
 from ..ops.device_checks import defers_label_check as _defers_label_check
+from ..ops.device_checks import capturing as _capturing
 from ..ops.gemm import gemm as _gemm
+from ..ops.gemm import tune as _tune_gemm
+from ..ops.gemm import tuning_enabled as _gemm_tuning_enabled
 from ..quantization import quantize as _quantize
 from ..quantization import quantize_current as _quantize_current
 from ..quantization.gemm_quantizers import padded_rows as _padded_rows
@@ -276,7 +279,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             bias = bias.detach().to(hidden.dtype) if bias is not None else None
         with torch.no_grad():
             gemms = (_Fp8ChunkGemms(weight.detach(), bias, fp8, need_h, need_w, scale) if fp8
-                     else _ChunkGemms(weight, bias))
+                     else _ChunkGemms(weight, bias, sums=need_w and n > chunk))
             for start in range(0, n, chunk):
                 h = hidden[start:start + chunk].detach()
                 y = labels[start:start + chunk]
@@ -324,10 +327,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 class _ChunkGemms:
     """A chunk's three GEMMs in the hidden states' dtype: float32
-    accumulation, no TF32 (as torch.matmul)."""
+    accumulation, no TF32 (as torch.matmul).  Where several chunks sum the
+    weight gradient on the GPU, the first chunk's call first times cuBLASLt's
+    candidates for the summing GEMM (ops.gemm.tune, once per plan; off with
+    SEQFUSE_GEMM_TUNE=0), while the weight gradient's buffer holds nothing
+    yet: that chunk's own GEMM then writes it anew.  The heuristic's first
+    choice for that product (the [V, H] gradient added into, K = the chunk's
+    rows) ran 1.25x slower than the fastest candidate on an H100 at Llama 1B's
+    head in 1,024-row chunks (benchmarks/gemm/cublaslt_algos_probe.cu)."""
 
-    def __init__(self, weight, bias):
+    def __init__(self, weight, bias, sums=False):
         self.weight, self.bias = weight, bias
+        self.tune = sums and weight.is_cuda and _gemm_tuning_enabled() and not _capturing(weight)
 
     def logits(self, h, last=False):
         return _gemm(h, self.weight, transb=True, bias=self.bias, allow_tf32=False)
@@ -336,6 +347,8 @@ class _ChunkGemms:
         if grad_h is not None:
             _gemm(dlogits, self.weight, out=grad_h, allow_tf32=False)
         if grad_w is not None:
+            if self.tune and not accumulate:  # (the summing GEMM's plan, timed before this chunk writes grad_w)
+                _tune_gemm(dlogits, h, grad_w, transa=True, accumulate=True, allow_tf32=False)
             _gemm(dlogits, h, transa=True, out=grad_w, accumulate=accumulate, allow_tf32=False)
 
 

@@ -14,6 +14,9 @@ with their scale inverses read on the device.
 On the CPU it runs seqfuse's reference GEMM (dequantized operands, float32
 accumulation), which is also what the CUDA backend is tested against.
 """
+import logging
+import os
+
 import torch
 
 from .. import _C
@@ -287,6 +290,55 @@ def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, add
     if epilogue == "bgrad":
         bias.zero_()  # sum over an empty k
     out.copy_(acc)
+
+
+_log = logging.getLogger("seqfuse")
+
+
+def tuning_enabled():
+    """Whether seqfuse's own callers time cuBLASLt's candidates for the
+    GEMMs they tune (:func:`tune`; the fused loss's weight-gradient sum):
+    on unless the environment sets SEQFUSE_GEMM_TUNE=0 (then each GEMM runs
+    the heuristic's first choice, as every other does)."""
+    return os.environ.get("SEQFUSE_GEMM_TUNE", "1") != "0"
+
+
+def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=None, candidates=8):
+    """Time up to ``candidates`` (1..16) of cuBLASLt's algorithms for the
+    product :func:`gemm` computes with these arguments (no bias, epilogue,
+    FP8 scales or addend) and keep the fastest for every later call of its
+    plan (the C entry's rule: the heuristic's first choice stays unless
+    another is at least 3 % faster).  The product runs several times into
+    ``out``, so ``out`` holds none of the caller's values afterwards (with
+    ``accumulate`` it was added into over and over): call it just before a
+    call that writes ``out`` anew.  The host waits for the timed runs, once
+    per plan; not under CUDA graph capture (a ValueError).  Returns
+    (the heuristic's choice's microseconds a run, the kept one's, its rank
+    in the heuristic's order) where something was timed, else None (CPU
+    tensors, an empty product, a plan tuned before); the first tuning of a
+    plan is logged."""
+    if not all(isinstance(t, torch.Tensor) for t in (a, b, out)):
+        raise TypeError("gemm.tune: arguments 'a', 'b' and 'out' must be torch.Tensors")
+    if isinstance(candidates, bool) or not isinstance(candidates, int):
+        raise TypeError(f"gemm.tune: argument 'candidates' must be an int, got {type(candidates).__name__}")
+    a, b = detached(a), detached(b)
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"gemm.tune: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+    out = given_out("gemm_tune", out)
+    timings = torch.empty(3, dtype=torch.float32)
+    workspace = workspace_for(a.device) if a.is_cuda else None
+    _C.gemm_tune(a, b, out, transa, transb, None, None, 0, 0, None, None, _EPI["none"], accumulate, False,
+                 tf32_of(allow_tf32, a.dtype), 1.0, workspace, 0, 0, None, candidates, timings, stream_for(a))
+    first, kept, rank = timings.tolist()
+    if rank < 0:
+        return None
+    m, k = (a.shape[1], a.shape[0]) if transa else (a.shape[0], a.shape[1])
+    n = b.shape[0] if transb else b.shape[1]
+    _log.info("seqfuse gemm: timed cuBLASLt's candidates for [%d x %d] x [%d x %d]%s (%s): kept #%d, %.1f us a run "
+              "against the heuristic's first choice's %.1f us (SEQFUSE_GEMM_TUNE=0 keeps the first choice)",
+              m, k, k, n, " + out" if accumulate else "", str(a.dtype).replace("torch.", ""), int(rank), kept,
+              first)
+    return first, kept, int(rank)
 
 
 def plan_cache_size():

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# seqfuse.ops.gemm.tune and the fused loss's tuned weight-gradient sum: the cuda tests of tuning, an in-process
+# A/B of accelerate()'s FP8 delayed step with the sum tuned against the heuristic's first choice (fusion_ab.py
+# --switch gemm_tune, seqfuse's log at INFO: the tune's own line), then accelerate() at 1 x 4,096 tokens with
+# eager, compiled and Liger transformers and seqfuse bf16 / FP8 delayed in one process.
+# Carry .whl and .s63/carry (lib312.tar.xz, pkg_head.tar.xz):
+#   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s63_4.sh
+set -uo pipefail
+source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
+tar xJf .s63/carry/pkg_head.tar.xz && echo "python/seqfuse from HEAD's archive"
+gpu_prebuilt s63 .s63/carry
+TAIL=6 run 100 cuda_tests python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_gemm.py \
+  tests/test_cross_entropy.py -k "tune or tuning or linear_cross_entropy"
+pack
+TAIL=30 run 200 ab_gemm_tune python3 -c "import logging, runpy, sys; logging.basicConfig(level=logging.WARNING); \
+logging.getLogger('seqfuse').setLevel(logging.INFO); sys.argv = ['fusion_ab.py', 'seqfuse_fp8_delayed', '--switch', \
+'gemm_tune', '--rounds', '4', '--profile', '--out', 'fusion_ab_gemm_tune_s63']; \
+runpy.run_path('benchmarks/hf/fusion_ab.py', run_name='__main__')"
+cp benchmarks/results/fusion_ab_gemm_tune_s63.json "$LOG/" 2>/dev/null
+pack
+TAIL=30 run 160 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 12 \
+  --out hf_accelerate_s63_4096_tuned --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,liger
+cp benchmarks/results/hf_accelerate_s63_4096_tuned.json "$LOG/" 2>/dev/null
+pack
+exit $status
