@@ -18,9 +18,19 @@ harness.cuda_time_ms, after warm-up) and the peak memory above the inputs.
 
   python3 benchmarks/bench_linear_ce_chunks.py --tokens 4096,8192 --chunks 0,2048,1024,512
 
+``--tune-ab`` times instead, for each chunk size below the token count, the
+weight-gradient sum on the algorithm seqfuse.ops.gemm.tune keeps against
+cuBLASLt's first choice (SEQFUSE_GEMM_TUNE=0), in ``--rounds`` alternating
+rounds (the plan cache dropped at each switch; the round's warm-up tunes
+again), medians of the rounds' medians, seqfuse's tune line logged.
+
 JSON: results/<--out>.json (default linear_ce_chunks).
 """
 import argparse
+import importlib
+import logging
+import os
+import statistics
 
 import torch
 
@@ -40,6 +50,31 @@ def peak_above(fn):
     return (torch.cuda.max_memory_allocated() - base) / 1e9
 
 
+def tune_ab(hidden, weight, labels, chunk, rounds):
+    """{"tuned": ms, "first choice": ms}: the loss's forward + backward at
+    ``chunk`` rows, tuning on and off alternately (each switch drops the
+    plan cache: a plan keeps what it was tuned to)."""
+    gemm = importlib.import_module("seqfuse.ops.gemm")  # (the package exports the op under the module's name)
+
+    def step():
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+        return torch.autograd.grad(loss, (hidden, weight))
+
+    times = {"tuned": [], "first choice": []}
+    try:
+        for r in range(rounds):
+            for mode in (("tuned", "first choice") if r % 2 == 0 else ("first choice", "tuned")):
+                if mode == "tuned":
+                    os.environ.pop("SEQFUSE_GEMM_TUNE", None)
+                else:
+                    os.environ["SEQFUSE_GEMM_TUNE"] = "0"
+                gemm.plan_cache_clear()
+                times[mode].append(cuda_time_ms(step, warmup=2, repeats=10))
+    finally:
+        os.environ.pop("SEQFUSE_GEMM_TUNE", None)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="4096,8192")
@@ -47,8 +82,28 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--out", default="linear_ce_chunks")
+    p.add_argument("--tune-ab", action="store_true", help="the summing GEMM tuned against the first choice")
+    p.add_argument("--rounds", type=int, default=4, help="--tune-ab's alternating rounds")
     args = p.parse_args(argv)
     h, v = args.hidden, args.vocab
+    if args.tune_ab:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("seqfuse").setLevel(logging.INFO)
+        table = Table(args.out, ["tokens", "chunk", "tuned_ms", "first_choice_ms", "ratio"])
+        torch.manual_seed(0)
+        weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_(True)
+        for n in (int(t) for t in args.tokens.split(",")):
+            hidden = (torch.randn(n, h, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+            labels = torch.randint(0, v, (n,), device="cuda")
+            for c in (int(c) for c in args.chunks.split(",")):
+                if 0 < c < n:
+                    t = tune_ab(hidden, weight, labels, c, args.rounds)
+                    table.add(tokens=n, chunk=c, tuned_ms=t["tuned"], first_choice_ms=t["first choice"],
+                              ratio=t["first choice"] / t["tuned"])
+        table.save({"hidden": h, "vocab": v, "rounds": args.rounds,
+                    "note": "forward + backward of the loss alone; medians over alternating rounds of the "
+                            "rounds' medians (10 CUDA-event repeats each); ratio = first choice / tuned"})
+        return
     liger, why = try_import("liger_kernel.ops.fused_linear_cross_entropy")
     table = Table(args.out, ["tokens", "impl", "chunk", "sum", "ms", "vs_one_chunk", "peak_GB"])
     torch.manual_seed(0)
