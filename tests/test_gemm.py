@@ -730,8 +730,8 @@ def test_tune_refuses_bad_arguments():
     with pytest.raises(ValueError, match="inner dimensions differ"):
         gemm_mod.tune(a, torch.ones(4, 8), out)
     with pytest.raises(TypeError, match="'timings' must be a contiguous float32 tensor of 3 elements on the CPU"):
-        seqfuse._C.gemm_tune(a, b, out, 0, 0, None, None, 0, 0, None, None, 0, 0, 0, 1, 1.0, None, 0, 0, None, 4,
-                             torch.empty(2))
+        seqfuse._C.gemm_tune(4, torch.empty(2), a, b, out, 0, 0, None, None, 0, 0, None, None, 0, 0, 0, 1, 1.0,
+                             None, 0, 0, None)
 
 
 def test_tuning_switch(monkeypatch):

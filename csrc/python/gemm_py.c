@@ -35,15 +35,28 @@ static int reinterpret_fp8(const char *op, sf_tensor *t, const char *name, int f
 
 static const sf_py_arg gemm_args[] = {SF_GEMM_ARG_ROWS, SF_STREAM};
 
-/* gemm_tune: gemm's arguments, then how many candidates and the host tensor its timings go into. */
-static const sf_py_arg gemm_tune_args[] = {SF_GEMM_ARG_ROWS, SF_INT(candidates), SF_T(timings), SF_STREAM};
+/* gemm_tune: how many candidates and the host tensor its timings go into, then gemm's arguments (first:
+ * gemm's rows end in an argument with a default). */
+static const sf_py_arg gemm_tune_args[] = {SF_INT(candidates), SF_T(timings), SF_GEMM_ARG_ROWS, SF_STREAM};
+enum { GEMM_TUNE_ROWS_AT = 2 };
+
+/* The fp8 formats of gemm's rows starting at argument `at`. */
+static int prepare_rows_at(sf_py_frame *f, int at)
+{
+    return reinterpret_fp8(f->b->op, f->v[at].t, "a", f->v[at + 17].i) < 0 ||
+                   reinterpret_fp8(f->b->op, f->v[at + 1].t, "b", f->v[at + 18].i) < 0
+               ? -1
+               : 0;
+}
 
 static int gemm_prepare(sf_py_frame *f)
 {
-    return reinterpret_fp8(f->b->op, f->v[0].t, "a", f->v[17].i) < 0 ||
-                   reinterpret_fp8(f->b->op, f->v[1].t, "b", f->v[18].i) < 0
-               ? -1
-               : 0;
+    return prepare_rows_at(f, 0);
+}
+
+static int gemm_tune_prepare(sf_py_frame *f)
+{
+    return prepare_rows_at(f, GEMM_TUNE_ROWS_AT);
 }
 
 static sf_gemm_args gemm_args_of(const sf_py_value *v)
@@ -68,10 +81,10 @@ SF_PY_BINDING_FULL(gemm, "gemm", gemm_args, gemm_call, gemm_prepare, NULL, NULL,
 
 static sf_status gemm_tune_call(sf_py_value *v, sf_stream s)
 {
-    const sf_gemm_args g = gemm_args_of(v);
-    return sf_gemm_tune(&g, v[20].i, v[21].t, s);
+    const sf_gemm_args g = gemm_args_of(v + GEMM_TUNE_ROWS_AT);
+    return sf_gemm_tune(&g, v[0].i, v[1].t, s);
 }
-SF_PY_BINDING_FULL(gemm_tune, "gemm_tune", gemm_tune_args, gemm_tune_call, gemm_prepare, NULL, NULL,
+SF_PY_BINDING_FULL(gemm_tune, "gemm_tune", gemm_tune_args, gemm_tune_call, gemm_tune_prepare, NULL, NULL,
                    "Time cuBLASLt's candidates for gemm's product and keep the fastest for its plan; out is "
                    "overwritten. See seqfuse.ops.gemm.tune.");
 

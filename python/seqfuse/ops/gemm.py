@@ -327,8 +327,8 @@ def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=
     out = given_out("gemm_tune", out)
     timings = torch.empty(3, dtype=torch.float32)
     workspace = workspace_for(a.device) if a.is_cuda else None
-    _C.gemm_tune(a, b, out, transa, transb, None, None, 0, 0, None, None, _EPI["none"], accumulate, False,
-                 tf32_of(allow_tf32, a.dtype), 1.0, workspace, 0, 0, None, candidates, timings, stream_for(a))
+    _C.gemm_tune(candidates, timings, a, b, out, transa, transb, None, None, 0, 0, None, None, _EPI["none"],
+                 accumulate, False, tf32_of(allow_tf32, a.dtype), 1.0, workspace, 0, 0, None, stream_for(a))
     first, kept, rank = timings.tolist()
     if rank < 0:
         return None
