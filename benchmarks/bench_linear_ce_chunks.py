@@ -20,7 +20,7 @@ harness.cuda_time_ms, after warm-up) and the peak memory above the inputs.
 
 ``--tune-ab`` times instead, for each chunk size below the token count, the
 weight-gradient sum on the algorithm seqfuse.ops.gemm.tune keeps against
-cuBLASLt's first choice (SEQFUSE_GEMM_TUNE=0), in ``--rounds`` alternating
+cuBLASLt's first choice (SEQFUSE_GEMM_TUNE 1 against 0), in ``--rounds`` alternating
 rounds (the plan cache dropped at each switch; the round's warm-up tunes
 again), medians of the rounds' medians, seqfuse's tune line logged.
 
@@ -61,17 +61,18 @@ def tune_ab(hidden, weight, labels, chunk, rounds):
         return torch.autograd.grad(loss, (hidden, weight))
 
     times = {"tuned": [], "first choice": []}
+    before = os.environ.get("SEQFUSE_GEMM_TUNE")
     try:
         for r in range(rounds):
             for mode in (("tuned", "first choice") if r % 2 == 0 else ("first choice", "tuned")):
-                if mode == "tuned":
-                    os.environ.pop("SEQFUSE_GEMM_TUNE", None)
-                else:
-                    os.environ["SEQFUSE_GEMM_TUNE"] = "0"
+                os.environ["SEQFUSE_GEMM_TUNE"] = "1" if mode == "tuned" else "0"
                 gemm.plan_cache_clear()
                 times[mode].append(cuda_time_ms(step, warmup=2, repeats=10))
     finally:
-        os.environ.pop("SEQFUSE_GEMM_TUNE", None)
+        if before is None:
+            os.environ.pop("SEQFUSE_GEMM_TUNE", None)
+        else:
+            os.environ["SEQFUSE_GEMM_TUNE"] = before
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -406,11 +406,11 @@ def test_cuda_linear_cross_entropy(dtype, chunk, acc, seed):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("switch", [None, "0"])
+@pytest.mark.parametrize("switch", ["1", None])
 def test_cuda_linear_cross_entropy_tunes_its_weight_gradient_sum(switch, seed, monkeypatch):
     """Over several chunks the first chunk times the summing GEMM's
     candidates (ops.gemm.tune, accumulate) before it writes the weight
-    gradient; SEQFUSE_GEMM_TUNE=0 times nothing; one chunk sums nothing."""
+    gradient where SEQFUSE_GEMM_TUNE=1; unset, it times nothing; one chunk sums nothing."""
     ce = importlib.import_module("seqfuse.modules.cross_entropy")
     calls, tune = [], ce._tune_gemm
 
@@ -431,7 +431,7 @@ def test_cuda_linear_cross_entropy_tunes_its_weight_gradient_sum(switch, seed, m
         calls.clear()
         hidden.grad = weight.grad = None
         linear_cross_entropy(hidden, weight, labels, chunk_size=chunk).backward()
-        assert calls == ([True] * tunes if switch is None else []), (chunk, calls)
+        assert calls == ([True] * tunes if switch == "1" else []), (chunk, calls)
         hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
         F.cross_entropy(hd @ wd.t(), labels).backward()
         assert_close_rel(weight.grad, wd.grad, torch.bfloat16, factor=2)

@@ -736,6 +736,8 @@ def test_tune_refuses_bad_arguments():
 
 def test_tuning_switch(monkeypatch):
     monkeypatch.delenv("SEQFUSE_GEMM_TUNE", raising=False)
+    assert not gemm_mod.tuning_enabled()  # (off by default)
+    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
     assert gemm_mod.tuning_enabled()
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")
     assert not gemm_mod.tuning_enabled()

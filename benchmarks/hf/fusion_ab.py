@@ -48,7 +48,7 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
   gemm_tune       the fused loss's weight-gradient sum on the algorithm
                   seqfuse.ops.gemm.tune kept (cuBLASLt's candidates timed
                   once per plan) against the heuristic's first choice
-                  (SEQFUSE_GEMM_TUNE=0); each switch drops the plan cache, so
+                  (SEQFUSE_GEMM_TUNE 1 against 0); each switch drops the plan cache, so
                   each round's untimed first step queries (and tunes) again
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
@@ -131,13 +131,10 @@ def _gemm_tune_switch():
     """(tuning on, off), each with the plan cache dropped: a plan keeps the
     algorithm it was tuned to whatever the switch says later."""
     def set_to(value):
-        if value is None:
-            os.environ.pop("SEQFUSE_GEMM_TUNE", None)
-        else:
-            os.environ["SEQFUSE_GEMM_TUNE"] = value
+        os.environ["SEQFUSE_GEMM_TUNE"] = value
         GEMM.plan_cache_clear()
 
-    return (lambda: set_to(None)), (lambda: set_to("0"))
+    return (lambda: set_to("1")), (lambda: set_to("0"))
 
 
 def _together(*switches):

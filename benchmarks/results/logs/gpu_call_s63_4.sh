@@ -2,7 +2,8 @@
 # seqfuse.ops.gemm.tune and the fused loss's tuned weight-gradient sum: the cuda tests of tuning, an in-process
 # A/B of accelerate()'s FP8 delayed step with the sum tuned against the heuristic's first choice (fusion_ab.py
 # --switch gemm_tune, seqfuse's log at INFO: the tune's own line), then accelerate() at 1 x 4,096 tokens with
-# eager, compiled and Liger transformers and seqfuse bf16 / FP8 delayed in one process.
+# eager, compiled and Liger transformers and seqfuse bf16 / FP8 delayed in one process, tuning on
+# (SEQFUSE_GEMM_TUNE=1; it is off by default until this call has run).
 # Carry .whl and .s63/carry (lib312.tar.xz, pkg_head.tar.xz):
 #   SEQFUSE_GIT_COMMIT=<sha> bash benchmarks/results/logs/gpu_call_s63_4.sh
 set -uo pipefail
@@ -18,7 +19,8 @@ logging.getLogger('seqfuse').setLevel(logging.INFO); sys.argv = ['fusion_ab.py',
 runpy.run_path('benchmarks/hf/fusion_ab.py', run_name='__main__')"
 cp benchmarks/results/fusion_ab_gemm_tune_s63.json "$LOG/" 2>/dev/null
 pack
-TAIL=30 run 160 accel4096 python3 benchmarks/hf/bench_accelerate.py --shape llama1b --seq 4096 --steps 12 \
+TAIL=30 run 160 accel4096 env SEQFUSE_GEMM_TUNE=1 python3 benchmarks/hf/bench_accelerate.py --shape llama1b \
+  --seq 4096 --steps 12 \
   --out hf_accelerate_s63_4096_tuned --rows hf_eager,hf_compile,seqfuse_bf16,seqfuse_fp8_delayed,liger
 cp benchmarks/results/hf_accelerate_s63_4096_tuned.json "$LOG/" 2>/dev/null
 pack

@@ -298,9 +298,10 @@ _log = logging.getLogger("seqfuse")
 def tuning_enabled():
     """Whether seqfuse's own callers time cuBLASLt's candidates for the
     GEMMs they tune (:func:`tune`; the fused loss's weight-gradient sum):
-    on unless the environment sets SEQFUSE_GEMM_TUNE=0 (then each GEMM runs
-    the heuristic's first choice, as every other does)."""
-    return os.environ.get("SEQFUSE_GEMM_TUNE", "1") != "0"
+    where the environment sets SEQFUSE_GEMM_TUNE=1.  Off by default (each
+    GEMM runs the heuristic's first choice, as every other does) until the
+    tuned path has passed the cuda tests and its A/B has run on a GPU."""
+    return os.environ.get("SEQFUSE_GEMM_TUNE", "0") == "1"
 
 
 def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=None, candidates=8):
@@ -335,7 +336,7 @@ def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=
     m, k = (a.shape[1], a.shape[0]) if transa else (a.shape[0], a.shape[1])
     n = b.shape[0] if transb else b.shape[1]
     _log.info("seqfuse gemm: timed cuBLASLt's candidates for [%d x %d] x [%d x %d]%s (%s): kept #%d, %.1f us a run "
-              "against the heuristic's first choice's %.1f us (SEQFUSE_GEMM_TUNE=0 keeps the first choice)",
+              "against the heuristic's first choice's %.1f us",
               m, k, k, n, " + out" if accumulate else "", str(a.dtype).replace("torch.", ""), int(rank), kept,
               first)
     return first, kept, int(rank)
