@@ -412,11 +412,12 @@ def test_cuda_linear_cross_entropy_tunes_its_weight_gradient_sum(switch, seed, m
     candidates (ops.gemm.tune, accumulate) before it writes the weight
     gradient where SEQFUSE_GEMM_TUNE=1; unset, it times nothing; one chunk sums nothing."""
     ce = importlib.import_module("seqfuse.modules.cross_entropy")
+    importlib.import_module("seqfuse.ops.gemm").plan_cache_clear()  # (nothing tuned before this test)
     calls, tune = [], ce._tune_gemm
 
     def counted(*args, **kwargs):
-        calls.append(kwargs["accumulate"])
-        return tune(*args, **kwargs)
+        calls.append((kwargs["accumulate"], tune(*args, **kwargs) is not None))
+        return None
 
     monkeypatch.setattr(ce, "_tune_gemm", counted)
     if switch is None:
@@ -427,14 +428,39 @@ def test_cuda_linear_cross_entropy_tunes_its_weight_gradient_sum(switch, seed, m
     hidden = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_(True)
     weight = (torch.randn(v, h, device="cuda") * 0.05).bfloat16().requires_grad_(True)
     labels = make_labels(n, v, device="cuda")
-    for chunk, tunes in ((256, 1), (None, 0)):
-        calls.clear()
+    for chunk, want in ((256, [(True, True)]), (256, [(True, False)]), (None, [])):
+        calls.clear()  # (the first forward times the candidates; the second finds the plan tuned)
         hidden.grad = weight.grad = None
         linear_cross_entropy(hidden, weight, labels, chunk_size=chunk).backward()
-        assert calls == ([True] * tunes if switch == "1" else []), (chunk, calls)
+        assert calls == (want if switch == "1" else []), (chunk, calls)
         hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
         F.cross_entropy(hd @ wd.t(), labels).backward()
         assert_close_rel(weight.grad, wd.grad, torch.bfloat16, factor=2)
+
+
+@pytest.mark.cuda
+def test_cuda_linear_cross_entropy_goes_on_when_tuning_fails(seed, monkeypatch, caplog):
+    """A tune that raises is named in a warning; the loss's gradients are
+    the untuned ones and this process tunes no more."""
+    ce = importlib.import_module("seqfuse.modules.cross_entropy")
+    monkeypatch.setattr(ce, "_tune_failed", [])
+    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("gemm_tune: CUDA error (a test's)")
+
+    monkeypatch.setattr(ce, "_tune_gemm", failing)
+    n, h, v = 512, 128, 4000
+    hidden = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_(True)
+    weight = (torch.randn(v, h, device="cuda") * 0.05).bfloat16().requires_grad_(True)
+    labels = make_labels(n, v, device="cuda")
+    with caplog.at_level("WARNING", logger="seqfuse"):
+        linear_cross_entropy(hidden, weight, labels, chunk_size=128).backward()
+    assert "timing the weight gradient's GEMM candidates failed" in caplog.text and len(ce._tune_failed) == 1
+    assert not ce._ChunkGemms(weight, None, sums=True).tune
+    hd, wd = hidden.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
+    F.cross_entropy(hd @ wd.t(), labels).backward()
+    assert_close_rel(weight.grad, wd.grad, torch.bfloat16, factor=2)
 
 
 @pytest.mark.cuda

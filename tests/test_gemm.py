@@ -723,15 +723,19 @@ def test_tune_refuses_bad_arguments():
     for bad in (0, 17):
         with pytest.raises(ValueError, match="argument 'candidates' must be within 1..16, got %d" % bad):
             gemm_mod.tune(a, b, out, candidates=bad)
-    with pytest.raises(TypeError, match="argument 'candidates' must be an int, got bool"):
+    with pytest.raises(TypeError, match="gemm_tune: argument 'candidates' must be an int, got bool"):
         gemm_mod.tune(a, b, out, candidates=True)
-    with pytest.raises(TypeError, match="arguments 'a', 'b' and 'out' must be torch.Tensors"):
+    with pytest.raises(TypeError, match="gemm_tune: arguments 'a', 'b' and 'out' must be torch.Tensors"):
         gemm_mod.tune(a, b, None)
+    with pytest.raises(ValueError, match="gemm_tune: arguments 'a' and 'b' must be 2-D"):
+        gemm_mod.tune(a[0], b, out)
     with pytest.raises(ValueError, match="inner dimensions differ"):
         gemm_mod.tune(a, torch.ones(4, 8), out)
-    with pytest.raises(TypeError, match="'timings' must be a contiguous float32 tensor of 3 elements on the CPU"):
-        seqfuse._C.gemm_tune(4, torch.empty(2), a, b, out, 0, 0, None, None, 0, 0, None, None, 0, 0, 0, 1, 1.0,
-                             None, 0, 0, None)
+    rows = (None, None, 0, 0, None, None, 0, 0, 0, 1, 1.0, None, 0, 0, None)
+    with pytest.raises(ValueError, match="argument 'timings' must be a contiguous tensor of 3 elements on the CPU"):
+        seqfuse._C.gemm_tune(4, torch.empty(2), a, b, out, 0, 0, *rows)
+    with pytest.raises(TypeError, match="argument 'timings' must be a float32 tensor"):
+        seqfuse._C.gemm_tune(4, torch.empty(3, dtype=torch.int32), a, b, out, 0, 0, *rows)
 
 
 def test_tuning_switch(monkeypatch):
@@ -747,23 +751,31 @@ def test_tuning_switch(monkeypatch):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_cuda_tune_keeps_a_plan_that_computes_the_product(accumulate, seed):
     """The summing GEMM of a chunked loss's weight gradient ([V, H] +=
-    dlogits^T h): tuned once per plan (a second tune times nothing), with
-    the heuristic's choice's time and the kept one's reported; the products
-    after it (written anew, then added into) equal the reference."""
+    dlogits^T h): tuned once per plan (a second tune times nothing and asks
+    the heuristic nothing), with the heuristic's choice's time and the kept
+    one's reported; the products after it (written anew, then added into)
+    equal the reference at the tuned token count (500, inside the class
+    (448, 512]), at the class's upper bound 512 and back at 500, and the
+    product at the tuned size asks the heuristic nothing more."""
     gemm_mod.plan_cache_clear()
-    v, h, rows = 1000, 256, 512
-    dl, hs = make((rows, v), torch.bfloat16, "cuda"), make((rows, h), torch.bfloat16, "cuda")
+    v, h = 1000, 256
+    dl, hs = make((500, v), torch.bfloat16, "cuda"), make((500, h), torch.bfloat16, "cuda")
     out = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
     got = gemm_mod.tune(dl, hs, out, transa=True, accumulate=accumulate)
     assert got is not None
     first, kept, rank = got
     assert first > 0 and 0 < kept <= first and rank >= 0 and (rank == 0 or kept <= 0.97 * first)
+    queries = gemm_mod.heuristic_queries()
     assert gemm_mod.tune(dl, hs, out, transa=True, accumulate=accumulate) is None
-    gemm(dl, hs, transa=True, out=out)
-    dl2, hs2 = make((rows, v), torch.bfloat16, "cuda"), make((rows, h), torch.bfloat16, "cuda")
-    gemm(dl2, hs2, transa=True, out=out, accumulate=True)
-    ref = reference(dl, hs, True, False)[0] + reference(dl2, hs2, True, False)[0]
-    assert_close_rel(out, ref, torch.bfloat16)
+    for rows in (500, 512, 500):
+        dl, hs = make((rows, v), torch.bfloat16, "cuda"), make((rows, h), torch.bfloat16, "cuda")
+        dl2, hs2 = make((rows, v), torch.bfloat16, "cuda"), make((rows, h), torch.bfloat16, "cuda")
+        gemm(dl, hs, transa=True, out=out)
+        gemm(dl2, hs2, transa=True, out=out, accumulate=True)
+        ref = reference(dl, hs, True, False)[0] + reference(dl2, hs2, True, False)[0]
+        assert_close_rel(out, ref, torch.bfloat16)
+        if rows == 500:
+            assert gemm_mod.heuristic_queries() == queries, "the tuned size asked the heuristic again"
 
 
 @pytest.mark.cuda

@@ -203,7 +203,7 @@ def test_bench_accelerate_bad_arguments():
         bench_accelerate.main(["--rows", "hf_eager,nope", "--device", "cpu"])
 
 
-def test_fusion_ab_switches_patch_and_restore():
+def test_fusion_ab_switches_patch_and_restore(monkeypatch):
     """fusion_ab.py's switches: "old" patches the path before the fusion in,
     "new" restores the very attribute (also one the class inherits: the patch
     is removed, not shadowed), and _graphed rows are refused."""
@@ -225,6 +225,7 @@ def test_fusion_ab_switches_patch_and_restore():
               "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")]}
     assert set(owners) | {"gemm_tune"} == set(fusion_ab.SWITCHES)
     # gemm_tune switches the environment's SEQFUSE_GEMM_TUNE (and drops the plan cache), no attribute
+    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")  # (restored after the test, whatever the switch leaves)
     set_new, set_old = fusion_ab.SWITCHES["gemm_tune"]()
     set_old()
     assert not fusion_ab.GEMM.tuning_enabled()

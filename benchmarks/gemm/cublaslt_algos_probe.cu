@@ -13,7 +13,9 @@
  *        benchmarks/gemm/cublaslt_algos_probe.cu -lcublasLt -o cublaslt_algos_probe
  *   ./cublaslt_algos_probe       (FP8ONLY=1: the FP8 cases only; HEADONLY=1: the LM head's only)
  * Results: benchmarks/results/logs/gemm_algos_probe_s30*.log (written when
- * the forward cases had an abbreviated name then).
+ * the forward cases had an abbreviated name then); s63 on an H100:
+ * logs/s63_call2_c729079/algos_probe.log (the layers),
+ * logs/gemm_algos_probe_head_h100_s63.log (the LM head).
  */
 #include <cublasLt.h>
 #include <cuda_runtime.h>

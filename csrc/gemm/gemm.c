@@ -434,10 +434,11 @@ sf_status sf_gemm_tune(const sf_gemm_args *g, int candidates, sf_tensor *timings
     static const char op[] = "gemm_tune";
     if (candidates < 1 || candidates > 16)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'candidates' must be within 1..16, got %d", op, candidates);
-    if (!timings || timings->dtype != SF_FLOAT32 || sf_numel(timings) != 3 || !sf_is_contiguous(timings) ||
-        timings->device != SF_CPU)
-        return sf_fail(SF_ERR_TYPE, "%s: argument 'timings' must be a contiguous float32 tensor of 3 elements "
-                       "on the CPU", op);
+    if (!timings || timings->dtype != SF_FLOAT32)
+        return sf_fail(SF_ERR_TYPE, "%s: argument 'timings' must be a float32 tensor", op);
+    if (sf_numel(timings) != 3 || !sf_is_contiguous(timings) || timings->device != SF_CPU)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'timings' must be a contiguous tensor of 3 elements on the "
+                       "CPU (host memory the call writes)", op);
     SF_TRY(sf_check_writable(op, "timings", timings));
     sf_gemm_problem p;
     int empty;

@@ -31,7 +31,9 @@
  *
  * A plan's class algorithm is chosen by the heuristic for the class's upper
  * bound (a function of the key alone, so the same for every call order: a
- * run and its resume pick the same kernels).  Classes are an eighth of an
+ * run and its resume pick the same kernels), unless sf_gemm_tune timed the
+ * plan's candidates: then the fastest (a function of that timing, so a run
+ * and its resume may differ in the algorithm and the last bits).  Classes are an eighth of an
  * octave wide because an algorithm chosen for one size can run a much
  * smaller one at its own cost: on an H100, the algorithm cuBLASLt picks for
  * [8,192, 3,584] x [3,584, 1,024] (a Mixtral-small expert's down
@@ -53,8 +55,9 @@
  * rewritten, then the matmul is enqueued.  cuBLASLt reads the
  * descriptor during cublasLtMatmul, so one mutex around "set pointers +
  * enqueue" makes the cache safe for any number of host threads.  Nothing
- * here synchronizes the host or allocates device memory, so the call is
- * capturable in a CUDA graph (given a workspace, cuBLASLt allocates nothing).
+ * in sf_gemm synchronizes the host or allocates device memory, so the call
+ * is capturable in a CUDA graph (given a workspace, cuBLASLt allocates
+ * nothing); sf_gemm_tune waits for the stream and its timed runs.
  */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -93,7 +96,8 @@ struct Plan {
     int64_t m, k;                    /* our exact m and k the layouts describe now; -1: none */
     int algo_confirmed;              /* algo has run (or was chosen) for the exact m and k */
     cublasLtMatmulAlgo_t class_algo; /* the heuristic's choice at the class's upper bound, or sf_gemm_tune's */
-    int tuned;                       /* sf_gemm_tune chose class_algo by timing */
+    int tuned;                       /* sf_gemm_tune timed this plan's candidates (whatever it kept) */
+    int64_t tuned_m, tuned_k;        /* the exact sizes it timed them at: where class_algo is confirmed */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
@@ -486,7 +490,10 @@ sf_status resize_plan(const sf_gemm_problem *p, Plan *plan)
                                           layouts[i], CUBLASLT_MATRIX_LAYOUT_COLS, &dims[i][1], sizeof(uint64_t)));
     }
     plan->algo = plan->class_algo;
-    plan->algo_confirmed = p->m == plan->key.n && p->k == plan->key.k;
+    /* where the algorithm was chosen: the class's upper bound (the heuristic's choice), or the size a tune
+     * timed it at */
+    plan->algo_confirmed = plan->tuned ? p->m == plan->tuned_m && p->k == plan->tuned_k
+                                       : p->m == plan->key.n && p->k == plan->key.k;
     plan->m = p->m;
     plan->k = p->k;
     return SF_OK;
@@ -549,13 +556,16 @@ sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
     return SF_OK;
 }
 
-/* sf_gemm_tune on the GPU (the caller holds g_lock): the heuristic's first
- * `candidates` algorithms for p's exact sizes, each run once and then timed
- * over kRuns runs between two events on the stream; the fastest becomes the
- * plan's algorithm at every size of its class (a size it cannot run takes
- * the heuristic's choice for that size, as any class algorithm does), unless
- * it beats the heuristic's own by less than 3 %.  A candidate cuBLASLt
- * refuses to run is skipped. */
+/* sf_gemm_tune on the GPU (the caller holds g_lock; the stream was drained
+ * before it was taken, so the waits below wait for the candidates' runs
+ * alone): the heuristic's first `candidates` algorithms for p's exact
+ * sizes, each run once and then timed over kRuns runs between two events on
+ * the stream.  The fastest becomes the plan's class algorithm, confirmed at
+ * the tuned sizes (another size of the class that it cannot run takes the
+ * heuristic's choice for that size, as for any class algorithm), unless it
+ * beats the heuristic's first choice by less than 3 %: then the plan keeps
+ * what it had.  Either way the plan counts as tuned (not timed again).  A
+ * candidate cuBLASLt refuses to run is skipped. */
 sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cudaStream_t stream)
 {
     constexpr int kRuns = 3;
@@ -565,11 +575,6 @@ sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cu
     SF_TRY(lookup_locked(h, p, &plan));
     if (plan->tuned)
         return SF_OK;
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    SF_CUDA_TRY("gemm_tune", cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone)
-        return sf_fail(SF_ERR_VALUE, "gemm_tune: the stream is capturing a CUDA graph; tuning times its runs and "
-                       "waits for them (tune before the capture)");
     cublasLtMatmulHeuristicResult_t res[16];
     int got = 0;
     SF_TRY(query_algos(h, p, plan, candidates, res, &got));
@@ -577,9 +582,14 @@ sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cu
     float ms[16];
     int best = -1;
     sf_status st = SF_OK;
+    cudaError_t e = cudaSuccess;
     const cublasLtMatmulAlgo_t before = plan->algo;
-    if (cudaEventCreate(&ev[0]) != cudaSuccess || cudaEventCreate(&ev[1]) != cudaSuccess) {
-        st = sf_cuda_launch_status("gemm_tune", SF_OK);
+    const int before_confirmed = plan->algo_confirmed;
+    for (int i = 0; i < 2 && e == cudaSuccess; ++i)
+        e = cudaEventCreate(&ev[i]);
+    if (e != cudaSuccess) {
+        st = sf_fail(SF_ERR_RUNTIME, "gemm_tune: CUDA error %s: %s (creating its timing events)",
+                     cudaGetErrorName(e), cudaGetErrorString(e));
         goto done;
     }
     for (int i = 0; i < got; ++i) {
@@ -587,13 +597,23 @@ sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cu
         plan->algo = res[i].algo;
         if (enqueue(h, p, plan, stream) != CUBLAS_STATUS_SUCCESS)
             continue; /* (an algorithm this exact problem cannot run: skipped) */
-        bool ran = cudaEventRecord(ev[0], stream) == cudaSuccess;
-        for (int r = 0; r < kRuns && ran; ++r)
-            ran = enqueue(h, p, plan, stream) == CUBLAS_STATUS_SUCCESS;
-        if (!ran || cudaEventRecord(ev[1], stream) != cudaSuccess || cudaEventSynchronize(ev[1]) != cudaSuccess ||
-            cudaEventElapsedTime(&ms[i], ev[0], ev[1]) != cudaSuccess) {
-            st = sf_cuda_launch_status("gemm_tune", sf_fail(SF_ERR_RUNTIME, "gemm_tune: timing candidate %d of %d "
-                                                            "failed", i, got));
+        e = cudaEventRecord(ev[0], stream);
+        cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+        for (int r = 0; r < kRuns && e == cudaSuccess && s == CUBLAS_STATUS_SUCCESS; ++r)
+            s = enqueue(h, p, plan, stream);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            st = lt_fail(s, "Matmul (a timed run of a candidate that had run once)");
+            goto done;
+        }
+        if (e == cudaSuccess)
+            e = cudaEventRecord(ev[1], stream);
+        if (e == cudaSuccess)
+            e = cudaEventSynchronize(ev[1]);
+        if (e == cudaSuccess)
+            e = cudaEventElapsedTime(&ms[i], ev[0], ev[1]);
+        if (e != cudaSuccess) {
+            st = sf_fail(SF_ERR_RUNTIME, "gemm_tune: CUDA error %s: %s (timing candidate %d of %d)",
+                         cudaGetErrorName(e), cudaGetErrorString(e), i, got);
             goto done;
         }
         ms[i] /= kRuns;
@@ -606,15 +626,28 @@ sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cu
     }
     if (ms[0] >= 0.0f && ms[best] > 0.97f * ms[0])
         best = 0;
-    plan->class_algo = plan->algo = res[best].algo;
-    plan->algo_confirmed = 1;
+    if (best != 0) {
+        plan->class_algo = res[best].algo;
+        plan->tuned_m = p->m;
+        plan->tuned_k = p->k;
+    } else {
+        plan->tuned_m = plan->key.n; /* (the class algorithm stays the heuristic's, chosen at the upper bound) */
+        plan->tuned_k = plan->key.k;
+    }
     plan->tuned = 1;
     times[0] = ms[0] >= 0.0f ? 1e3f * ms[0] : -1.0f;
     times[1] = 1e3f * ms[best];
     times[2] = (float)best;
 done:
-    if (!plan->tuned)
+    /* the algorithm for the exact sizes now described: the kept one, or (failure, or the first choice kept)
+     * the one the plan had */
+    if (st == SF_OK && best != 0) {
+        plan->algo = plan->class_algo;
+        plan->algo_confirmed = 1; /* (it ran at these sizes) */
+    } else {
         plan->algo = before;
+        plan->algo_confirmed = before_confirmed;
+    }
     for (int i = 0; i < 2; ++i)
         if (ev[i])
             cudaEventDestroy(ev[i]);
@@ -627,10 +660,21 @@ extern "C" sf_status sf_gemm_tune_cuda(const sf_gemm_problem *p, int candidates,
 {
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("gemm_tune", p->device_id, &guard));
-    sf_status st;
-    {
+    cudaStream_t stream = sf_cuda_stream(s);
+    sf_status st = SF_OK;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+    if (e == cudaSuccess && capture != cudaStreamCaptureStatusNone)
+        st = sf_fail(SF_ERR_VALUE, "gemm_tune: the stream is capturing a CUDA graph; tuning times its runs and "
+                     "waits for them (tune before the capture)");
+    else if (e == cudaSuccess)
+        e = cudaStreamSynchronize(stream); /* (the queued work first, outside the plan cache's lock) */
+    if (st == SF_OK && e != cudaSuccess)
+        st = sf_fail(SF_ERR_RUNTIME, "gemm_tune: CUDA error %s: %s (before timing)", cudaGetErrorName(e),
+                     cudaGetErrorString(e));
+    if (st == SF_OK) {
         std::lock_guard<std::mutex> lock(g_lock);
-        st = tune_locked(p, candidates, times, sf_cuda_stream(s));
+        st = tune_locked(p, candidates, times, stream);
     }
     sf_cuda_device_restore(&guard);
     return st;

@@ -325,6 +325,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
+#: A tune of the summing GEMM that raised (its exception): the loss tunes no more in this process.
+_tune_failed = []
+
+
 class _ChunkGemms:
     """A chunk's three GEMMs in the hidden states' dtype: float32
     accumulation, no TF32 (as torch.matmul).  Where several chunks sum the
@@ -334,11 +338,12 @@ class _ChunkGemms:
     yet: that chunk's own GEMM then writes it anew.  The heuristic's first
     choice for that product (the [V, H] gradient added into, K = the chunk's
     rows) ran 1.25x slower than the fastest candidate on an H100 at Llama 1B's
-    head in 1,024-row chunks (benchmarks/gemm/cublaslt_algos_probe.cu)."""
+    head in 1,024-row chunks, random operands (benchmarks/gemm/cublaslt_algos_probe.cu)."""
 
     def __init__(self, weight, bias, sums=False):
         self.weight, self.bias = weight, bias
-        self.tune = sums and weight.is_cuda and _gemm_tuning_enabled() and not _capturing(weight)
+        self.tune = (sums and weight.is_cuda and not _tune_failed and _gemm_tuning_enabled()
+                     and not _capturing(weight))
 
     def logits(self, h, last=False):
         return _gemm(h, self.weight, transb=True, bias=self.bias, allow_tf32=False)
@@ -348,7 +353,13 @@ class _ChunkGemms:
             _gemm(dlogits, self.weight, out=grad_h, allow_tf32=False)
         if grad_w is not None:
             if self.tune and not accumulate:  # (the summing GEMM's plan, timed before this chunk writes grad_w)
-                _tune_gemm(dlogits, h, grad_w, transa=True, accumulate=True, allow_tf32=False)
+                try:
+                    _tune_gemm(dlogits, h, grad_w, transa=True, accumulate=True, allow_tf32=False)
+                except (RuntimeError, ValueError) as e:  # (the GEMMs below then run cuBLASLt's first choice)
+                    _tune_failed.append(e)
+                    _log.warning("seqfuse linear_cross_entropy: timing the weight gradient's GEMM candidates "
+                                 "failed (%s); its GEMMs run cuBLASLt's first choice, and this process tunes "
+                                 "no more", e)
             _gemm(dlogits, h, transa=True, out=grad_w, accumulate=accumulate, allow_tf32=False)
 
 

@@ -304,6 +304,11 @@ def tuning_enabled():
     return os.environ.get("SEQFUSE_GEMM_TUNE", "0") == "1"
 
 
+#: The problems tune() has handed to the C entry since the plan cache was last dropped (plan_cache_clear):
+#: a later call of one returns at once, with no C call (the C plan would say "tuned before" too).
+_tuned = set()
+
+
 def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=None, candidates=8):
     """Time up to ``candidates`` (1..16) of cuBLASLt's algorithms for the
     product :func:`gemm` computes with these arguments (no bias, epilogue,
@@ -319,20 +324,30 @@ def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=
     tensors, an empty product, a plan tuned before); the first tuning of a
     plan is logged."""
     if not all(isinstance(t, torch.Tensor) for t in (a, b, out)):
-        raise TypeError("gemm.tune: arguments 'a', 'b' and 'out' must be torch.Tensors")
+        raise TypeError("gemm_tune: arguments 'a', 'b' and 'out' must be torch.Tensors")
     if isinstance(candidates, bool) or not isinstance(candidates, int):
-        raise TypeError(f"gemm.tune: argument 'candidates' must be an int, got {type(candidates).__name__}")
+        raise TypeError(f"gemm_tune: argument 'candidates' must be an int, got {type(candidates).__name__}")
     a, b = detached(a), detached(b)
     if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"gemm.tune: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+        raise ValueError(f"gemm_tune: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+    key = (a.device, a.dtype, out.dtype, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), tuple(out.shape),
+           out.stride(), bool(transa), bool(transb), bool(accumulate), allow_tf32,
+           a.data_ptr() % 16, b.data_ptr() % 16, out.data_ptr() % 16)
+    if key in _tuned:
+        return None
     out = given_out("gemm_tune", out)
+    if a.numel() == 0 or b.numel() == 0:
+        a, b = dense(a), dense(b)  # (the C entry's layout checks read an empty tensor's strides: as gemm's)
     timings = torch.empty(3, dtype=torch.float32)
     workspace = workspace_for(a.device) if a.is_cuda else None
     _C.gemm_tune(candidates, timings, a, b, out, transa, transb, None, None, 0, 0, None, None, _EPI["none"],
                  accumulate, False, tf32_of(allow_tf32, a.dtype), 1.0, workspace, 0, 0, None, stream_for(a))
+    if a.is_cuda:
+        _tuned.add(key)
     first, kept, rank = timings.tolist()
     if rank < 0:
         return None
+    mark_written(out)  # (the candidates' runs overwrote it)
     m, k = (a.shape[1], a.shape[0]) if transa else (a.shape[0], a.shape[1])
     n = b.shape[0] if transb else b.shape[1]
     _log.info("seqfuse gemm: timed cuBLASLt's candidates for [%d x %d] x [%d x %d]%s (%s): kept #%d, %.1f us a run "
@@ -349,8 +364,9 @@ def plan_cache_size():
 
 def plan_cache_clear():
     """Forget every cached plan (the next call of each problem queries the
-    cuBLASLt heuristic again)."""
+    cuBLASLt heuristic again, and a tune() of it times again)."""
     _C.gemm_plan_cache_clear()
+    _tuned.clear()
 
 
 def heuristic_queries():
