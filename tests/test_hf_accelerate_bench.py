@@ -222,7 +222,8 @@ def test_fusion_ab_switches_patch_and_restore(monkeypatch):
               "weight_history": [(fusion_ab.WeightQuantizer, "_cast_into")],
               "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")],
               "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")],
-              "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")]}
+              "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")],
+              "value_words": [(fusion_ab.ROPE, "_copy_rows")]}
     assert set(owners) | {"gemm_tune"} == set(fusion_ab.SWITCHES)
     # gemm_tune switches the environment's SEQFUSE_GEMM_TUNE (and drops the plan cache), no attribute
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")  # (restored after the test, whatever the switch leaves)

@@ -365,3 +365,27 @@ def test_rope_cuda_graph_capture(seed):
     g.replay()
     torch.cuda.synchronize()
     assert_close_rel(out, rope_forward(t.cpu(), freqs.cpu(), "bshd"), torch.bfloat16, factor=0.5)
+
+
+def test_copy_rows_moves_words_where_the_layout_allows(seed, caplog, monkeypatch):
+    """split_qkv_rope's value-head copies: as int64 words where both layouts
+    allow (the bytes of an element-wise copy, checked bit for bit on
+    NaN-carrying data), element by element otherwise, said once."""
+    import importlib
+
+    rope_mod = importlib.import_module("seqfuse.modules.rope")
+    monkeypatch.setattr(rope_mod, "_logged_element_copy", [])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        mixed = torch.randn(2, 24, 12 * 16).to(dtype)
+        mixed.view(-1)[::7] = float("nan")
+        src = mixed[..., 8 * 16:].view(2, 24, 4, 16)  # (a strided slice, as the value heads of a QKV output)
+        assert rope_mod._as_words(src) is not None
+        dst = torch.empty(src.shape, dtype=dtype)
+        assert rope_mod._copy_rows(dst, src) is dst
+        assert torch.equal(dst.view(torch.uint8), src.contiguous().view(torch.uint8))
+    odd = torch.randn(4, 3).bfloat16()  # (a row of 6 bytes: no whole words)
+    assert rope_mod._as_words(odd) is None
+    with caplog.at_level("INFO", logger="seqfuse"):
+        out = rope_mod._copy_rows(torch.empty(4, 3, dtype=torch.bfloat16), odd)
+        rope_mod._copy_rows(torch.empty(4, 3, dtype=torch.bfloat16), odd)
+    assert torch.equal(out, odd) and caplog.text.count("copied element by element") == 1

@@ -45,6 +45,8 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   transposed copy, against the activation kernels (the
                   activation made again, its FP8 gradient, two byte
                   transposes)
+  value_words     split_qkv_rope's value-head copies (forward and backward)
+                  as 8-byte words against torch's element-wise copy
   gemm_tune       the fused loss's weight-gradient sum on the algorithm
                   seqfuse.ops.gemm.tune kept (cuBLASLt's candidates timed
                   once per plan) against the heuristic's first choice
@@ -124,6 +126,7 @@ CE = importlib.import_module("seqfuse.modules.cross_entropy")  # (the package ex
 _chunk_rule = CE.default_chunk_size
 
 
+ROPE = importlib.import_module("seqfuse.modules.rope")
 GEMM = importlib.import_module("seqfuse.ops.gemm")  # (the package exports the op under the module's name)
 
 
@@ -190,6 +193,7 @@ SWITCHES = {
     "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
     "one_pass_swiglu": lambda: _attribute_switch(LNMLP, "_one_pass_swiglu", lambda q, h, activation: False),
     "gemm_tune": _gemm_tune_switch,
+    "value_words": lambda: _attribute_switch(ROPE, "_copy_rows", lambda dst, src: dst.copy_(src)),
 }
 
 

@@ -8,6 +8,7 @@ Differences from TE, stated rather than hidden: ``fused`` is accepted and
 ignored (the fused kernel is always used); context parallelism (``cp_size`` >
 1) raises NotImplementedError.
 """
+import logging
 from typing import Optional
 
 import torch
@@ -16,6 +17,8 @@ from torch.autograd.function import once_differentiable
 from ..ops import rope as _rope
 from ..ops.tensor_cache import PerTensorCache
 from ..distributed.split_batch import freqs_for_cp_rank
+
+_log = logging.getLogger("seqfuse")
 
 
 class FusedRoPEFunc(torch.autograd.Function):
@@ -71,6 +74,37 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
 _thd_cp_rows = PerTensorCache(lambda ts, cp_size, cp_rank: freqs_for_cp_rank(ts[0], cp_size, cp_rank, ts[1]))
 
 
+def _as_words(t):
+    """``t``'s bytes as int64 words along its last dimension, or None where
+    its layout does not allow it (that dimension not contiguous, or a
+    stride, the offset or the row's length not a whole number of words)."""
+    try:
+        return t.view(torch.int64)
+    except RuntimeError:
+        return None
+
+
+_logged_element_copy = []
+
+
+def _copy_rows(dst, src):
+    """``dst.copy_(src)`` (one shape and dtype, rows along the last
+    dimension) moving 8-byte words where both layouts allow: the same bytes.
+    Torch's copy between strided 2-byte tensors loads two bytes at a time,
+    a third of the copy rate (8.2 us a call for the 4 MB of Llama 1B's value
+    heads at 4,096 tokens on an H100, two calls a layer); otherwise
+    element by element, said once in the log.  Returns ``dst``."""
+    wd, ws = _as_words(dst), _as_words(src)
+    if wd is not None and ws is not None:
+        wd.copy_(ws)
+        return dst
+    if not _logged_element_copy:
+        _logged_element_copy.append(True)
+        _log.info("seqfuse split_qkv_rope: the value heads are copied element by element (a layout without "
+                  "whole 8-byte words: strides %s and %s)", tuple(dst.stride()), tuple(src.stride()))
+    return dst.copy_(src)
+
+
 class _SplitQkvRoPE(torch.autograd.Function):
     """split_qkv_rope's autograd: q and k turned in one launch, the three
     gradients written into one [b, s, width] tensor."""
@@ -88,7 +122,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
         ctx.dims = (b, s, heads, kv_heads, head_dim)
         v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim)
         if copy_v:  # (what the attention saves of v then keeps none of mixed: split_qkv_rope)
-            v = v.contiguous()
+            v = _copy_rows(torch.empty(v.shape, dtype=v.dtype, device=v.device), v)
         return qk[:, :, :heads], qk[:, :, heads:], v
 
     @staticmethod
@@ -108,7 +142,7 @@ class _SplitQkvRoPE(torch.autograd.Function):
             elif i < 2:  # the rotation's transpose, written where mixed's q / k columns are
                 _rope.rope_backward(g, freqs, "bshd", out=dst)
             else:
-                dst.copy_(g)
+                _copy_rows(dst, g)
         return dmixed, None, None, None, None, None
 
 
