@@ -383,6 +383,14 @@ def test_copy_rows_moves_words_where_the_layout_allows(seed, caplog, monkeypatch
         dst = torch.empty(src.shape, dtype=dtype)
         assert rope_mod._copy_rows(dst, src) is dst
         assert torch.equal(dst.view(torch.uint8), src.contiguous().view(torch.uint8))
+        # the backward's layout: attention's gradient ([b, h, s, d] seen as bshd) into a slice of the QKV gradient
+        grad = torch.randn(2, 4, 24, 16).to(dtype).transpose(1, 2)
+        dmixed = torch.zeros(2, 24, 12 * 16, dtype=dtype)
+        into = dmixed[..., 8 * 16:].view(2, 24, 4, 16)
+        assert rope_mod._as_words(into) is not None and rope_mod._as_words(grad) is not None
+        rope_mod._copy_rows(into, grad)
+        assert torch.equal(into, grad) and not dmixed[..., :8 * 16].any()
+    assert not rope_mod._logged_element_copy  # (every copy above moved words)
     odd = torch.randn(4, 3).bfloat16()  # (a row of 6 bytes: no whole words)
     assert rope_mod._as_words(odd) is None
     with caplog.at_level("INFO", logger="seqfuse"):

@@ -560,11 +560,11 @@ sf_status run_locked(const sf_gemm_problem *p, cudaStream_t stream)
  * before it was taken, so the waits below wait for the candidates' runs
  * alone): the heuristic's first `candidates` algorithms for p's exact
  * sizes, each run once and then timed over kRuns runs between two events on
- * the stream.  The fastest becomes the plan's class algorithm, confirmed at
- * the tuned sizes (another size of the class that it cannot run takes the
- * heuristic's choice for that size, as for any class algorithm), unless it
- * beats the heuristic's first choice by less than 3 %: then the plan keeps
- * what it had.  Either way the plan counts as tuned (not timed again).  A
+ * the stream.  The fastest (the heuristic's first choice for these sizes
+ * unless another beats it by 3 % or more) becomes the plan's class
+ * algorithm, confirmed at the tuned sizes (another size of the class that
+ * it cannot run takes the heuristic's choice for that size, as for any
+ * class algorithm), and the plan counts as tuned (not timed again).  A
  * candidate cuBLASLt refuses to run is skipped. */
 sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cudaStream_t stream)
 {
@@ -626,22 +626,17 @@ sf_status tune_locked(const sf_gemm_problem *p, int candidates, float *times, cu
     }
     if (ms[0] >= 0.0f && ms[best] > 0.97f * ms[0])
         best = 0;
-    if (best != 0) {
-        plan->class_algo = res[best].algo;
-        plan->tuned_m = p->m;
-        plan->tuned_k = p->k;
-    } else {
-        plan->tuned_m = plan->key.n; /* (the class algorithm stays the heuristic's, chosen at the upper bound) */
-        plan->tuned_k = plan->key.k;
-    }
+    plan->class_algo = res[best].algo; /* (what was timed: also the first choice at these sizes, which the class's
+                                        * upper-bound choice need not be) */
+    plan->tuned_m = p->m;
+    plan->tuned_k = p->k;
     plan->tuned = 1;
     times[0] = ms[0] >= 0.0f ? 1e3f * ms[0] : -1.0f;
     times[1] = 1e3f * ms[best];
     times[2] = (float)best;
 done:
-    /* the algorithm for the exact sizes now described: the kept one, or (failure, or the first choice kept)
-     * the one the plan had */
-    if (st == SF_OK && best != 0) {
+    /* the algorithm for the exact sizes now described: the kept one, or (a failure) the one the plan had */
+    if (st == SF_OK) {
         plan->algo = plan->class_algo;
         plan->algo_confirmed = 1; /* (it ran at these sizes) */
     } else {
@@ -654,6 +649,17 @@ done:
     return st;
 }
 
+/* Whether p's plan (found or built) was tuned already; the caller holds g_lock. */
+sf_status tuned_locked(const sf_gemm_problem *p, int *tuned)
+{
+    cublasLtHandle_t h = NULL;
+    SF_TRY(get_handle_locked(p->device_id, &h));
+    Plan *plan = NULL;
+    SF_TRY(lookup_locked(h, p, &plan));
+    *tuned = plan->tuned;
+    return SF_OK;
+}
+
 } // namespace
 
 extern "C" sf_status sf_gemm_tune_cuda(const sf_gemm_problem *p, int candidates, float *times, sf_stream s)
@@ -662,6 +668,15 @@ extern "C" sf_status sf_gemm_tune_cuda(const sf_gemm_problem *p, int candidates,
     SF_TRY(sf_cuda_device_enter("gemm_tune", p->device_id, &guard));
     cudaStream_t stream = sf_cuda_stream(s);
     sf_status st = SF_OK;
+    int tuned = 0;
+    {
+        std::lock_guard<std::mutex> lock(g_lock);
+        st = tuned_locked(p, &tuned);
+    }
+    if (st != SF_OK || tuned) { /* (nothing to time: no wait, no capture rule) */
+        sf_cuda_device_restore(&guard);
+        return st;
+    }
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cudaError_t e = cudaStreamIsCapturing(stream, &capture);
     if (e == cudaSuccess && capture != cudaStreamCaptureStatusNone)

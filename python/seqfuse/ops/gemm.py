@@ -305,8 +305,14 @@ def tuning_enabled():
 
 
 #: The problems tune() has handed to the C entry since the plan cache was last dropped (plan_cache_clear):
-#: a later call of one returns at once, with no C call (the C plan would say "tuned before" too).
+#: a later call of one returns at once, with no C call (the C plan would say "tuned before" too).  A plan the
+#: C table drops on its own when it fills (3,072 plans) is not tuned again.
 _tuned = set()
+
+
+def _alignment(ptr):
+    """The largest power of two up to 256 dividing ``ptr`` (the alignments the C plan key tells apart)."""
+    return min(256, ptr & -ptr) if ptr else 256
 
 
 def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=None, candidates=8):
@@ -330,9 +336,10 @@ def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=
     a, b = detached(a), detached(b)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"gemm_tune: arguments 'a' and 'b' must be 2-D, got {a.dim()}-D and {b.dim()}-D")
+    tf32 = tf32_of(allow_tf32, a.dtype)
     key = (a.device, a.dtype, out.dtype, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), tuple(out.shape),
-           out.stride(), bool(transa), bool(transb), bool(accumulate), allow_tf32,
-           a.data_ptr() % 16, b.data_ptr() % 16, out.data_ptr() % 16)
+           out.stride(), bool(transa), bool(transb), bool(accumulate), tf32,
+           _alignment(a.data_ptr()), _alignment(b.data_ptr()), _alignment(out.data_ptr()))
     if key in _tuned:
         return None
     out = given_out("gemm_tune", out)
@@ -340,14 +347,17 @@ def tune(a, b, out, *, transa=False, transb=False, accumulate=False, allow_tf32=
         a, b = dense(a), dense(b)  # (the C entry's layout checks read an empty tensor's strides: as gemm's)
     timings = torch.empty(3, dtype=torch.float32)
     workspace = workspace_for(a.device) if a.is_cuda else None
-    _C.gemm_tune(candidates, timings, a, b, out, transa, transb, None, None, 0, 0, None, None, _EPI["none"],
-                 accumulate, False, tf32_of(allow_tf32, a.dtype), 1.0, workspace, 0, 0, None, stream_for(a))
+    try:
+        _C.gemm_tune(candidates, timings, a, b, out, transa, transb, None, None, 0, 0, None, None, _EPI["none"],
+                     accumulate, False, tf32, 1.0, workspace, 0, 0, None, stream_for(a))
+    finally:
+        if a.is_cuda:
+            mark_written(out)  # (the candidates' runs may have overwritten it, also where the call then failed)
     if a.is_cuda:
         _tuned.add(key)
     first, kept, rank = timings.tolist()
     if rank < 0:
         return None
-    mark_written(out)  # (the candidates' runs overwrote it)
     m, k = (a.shape[1], a.shape[0]) if transa else (a.shape[0], a.shape[1])
     n = b.shape[0] if transb else b.shape[1]
     _log.info("seqfuse gemm: timed cuBLASLt's candidates for [%d x %d] x [%d x %d]%s (%s): kept #%d, %.1f us a run "
