@@ -20,7 +20,7 @@ harness.cuda_time_ms, after warm-up) and the peak memory above the inputs.
 
 ``--tune-ab`` times instead, for each chunk size below the token count, the
 weight-gradient sum on the algorithm seqfuse.ops.gemm.tune keeps against
-cuBLASLt's first choice (SEQFUSE_GEMM_TUNE 1 against 0), in ``--rounds`` alternating
+cuBLASLt's first choice (seqfuse.ops.gemm.set_tuning), in ``--rounds`` alternating
 rounds (the plan cache dropped at each switch; the round's warm-up tunes
 again), medians of the rounds' medians, seqfuse's tune line logged.
 
@@ -29,7 +29,6 @@ JSON: results/<--out>.json (default linear_ce_chunks).
 import argparse
 import importlib
 import logging
-import os
 import statistics
 
 import torch
@@ -52,8 +51,8 @@ def peak_above(fn):
 
 def tune_ab(hidden, weight, labels, chunk, rounds):
     """{"tuned": ms, "first choice": ms}: the loss's forward + backward at
-    ``chunk`` rows, tuning on and off alternately (each switch drops the
-    plan cache: a plan keeps what it was tuned to)."""
+    ``chunk`` rows, tuning on and off alternately (set_tuning drops the
+    plan cache at each switch: a plan keeps what it was tuned to)."""
     gemm = importlib.import_module("seqfuse.ops.gemm")  # (the package exports the op under the module's name)
 
     def step():
@@ -61,18 +60,14 @@ def tune_ab(hidden, weight, labels, chunk, rounds):
         return torch.autograd.grad(loss, (hidden, weight))
 
     times = {"tuned": [], "first choice": []}
-    before = os.environ.get("SEQFUSE_GEMM_TUNE")
+    before = gemm.set_tuning(None)
     try:
         for r in range(rounds):
             for mode in (("tuned", "first choice") if r % 2 == 0 else ("first choice", "tuned")):
-                os.environ["SEQFUSE_GEMM_TUNE"] = "1" if mode == "tuned" else "0"
-                gemm.plan_cache_clear()
+                gemm.set_tuning(mode == "tuned")  # (the plan cache dropped: the round's warm-up tunes again)
                 times[mode].append(cuda_time_ms(step, warmup=2, repeats=10))
     finally:
-        if before is None:
-            os.environ.pop("SEQFUSE_GEMM_TUNE", None)
-        else:
-            os.environ["SEQFUSE_GEMM_TUNE"] = before
+        gemm.set_tuning(before)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

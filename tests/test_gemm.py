@@ -739,12 +739,26 @@ def test_tune_refuses_bad_arguments():
 
 
 def test_tuning_switch(monkeypatch):
+    """The environment decides (off by default) until set_tuning does;
+    set_tuning(None) hands the decision back, returning each previous setting."""
+    assert gemm_mod.set_tuning(None) is None
     monkeypatch.delenv("SEQFUSE_GEMM_TUNE", raising=False)
     assert not gemm_mod.tuning_enabled()  # (off by default)
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
     assert gemm_mod.tuning_enabled()
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")
     assert not gemm_mod.tuning_enabled()
+    try:
+        assert gemm_mod.set_tuning(True) is None and gemm_mod.tuning_enabled()
+        assert gemm_mod.set_tuning(False) is True and not gemm_mod.tuning_enabled()
+        monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
+        assert not gemm_mod.tuning_enabled()  # (the setting outranks the environment)
+        for bad in (1, "1"):
+            with pytest.raises(TypeError, match="set_tuning: argument 'enabled' must be True, False or None"):
+                gemm_mod.set_tuning(bad)
+        assert gemm_mod.set_tuning(None) is False and gemm_mod.tuning_enabled()
+    finally:
+        gemm_mod.set_tuning(None)
 
 
 @pytest.mark.cuda

@@ -203,7 +203,7 @@ def test_bench_accelerate_bad_arguments():
         bench_accelerate.main(["--rows", "hf_eager,nope", "--device", "cpu"])
 
 
-def test_fusion_ab_switches_patch_and_restore(monkeypatch):
+def test_fusion_ab_switches_patch_and_restore():
     """fusion_ab.py's switches: "old" patches the path before the fusion in,
     "new" restores the very attribute (also one the class inherits: the patch
     is removed, not shadowed), and _graphed rows are refused."""
@@ -225,13 +225,15 @@ def test_fusion_ab_switches_patch_and_restore(monkeypatch):
               "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")],
               "value_words": [(fusion_ab.ROPE, "_copy_rows")]}
     assert set(owners) | {"gemm_tune"} == set(fusion_ab.SWITCHES)
-    # gemm_tune switches the environment's SEQFUSE_GEMM_TUNE (and drops the plan cache), no attribute
-    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")  # (restored after the test, whatever the switch leaves)
+    # gemm_tune switches seqfuse.ops.gemm.set_tuning (which drops the plan cache), no attribute
     set_new, set_old = fusion_ab.SWITCHES["gemm_tune"]()
-    set_old()
-    assert not fusion_ab.GEMM.tuning_enabled()
-    set_new()
-    assert fusion_ab.GEMM.tuning_enabled()
+    try:
+        set_old()
+        assert not fusion_ab.GEMM.tuning_enabled()
+        set_new()
+        assert fusion_ab.GEMM.tuning_enabled()
+    finally:
+        fusion_ab.GEMM.set_tuning(None)
     for name, attrs in owners.items():
         before = [(o, a, o.__dict__.get(a)) for o, a in attrs]
         set_new, set_old = fusion_ab.SWITCHES[name]()

@@ -397,3 +397,6 @@ def test_copy_rows_moves_words_where_the_layout_allows(seed, caplog, monkeypatch
         out = rope_mod._copy_rows(torch.empty(4, 3, dtype=torch.bfloat16), odd)
         rope_mod._copy_rows(torch.empty(4, 3, dtype=torch.bfloat16), odd)
     assert torch.equal(out, odd) and caplog.text.count("copied element by element") == 1
+    # another dtype: torch's element copy converts (word views would move the other format's bytes)
+    halves = torch.randn(2, 24, 4, 16).bfloat16()
+    assert torch.equal(rope_mod._copy_rows(torch.empty(2, 24, 4, 16), halves), halves.float())

@@ -50,7 +50,7 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
   gemm_tune       the fused loss's weight-gradient sum on the algorithm
                   seqfuse.ops.gemm.tune kept (cuBLASLt's candidates timed
                   once per plan) against the heuristic's first choice
-                  (SEQFUSE_GEMM_TUNE 1 against 0); each switch drops the plan cache, so
+                  (seqfuse.ops.gemm.set_tuning); each switch drops the plan cache, so
                   each round's untimed first step queries (and tunes) again
 
 ``--profile``: also each mode's GPU kernel time per step (torch.profiler
@@ -130,16 +130,6 @@ ROPE = importlib.import_module("seqfuse.modules.rope")
 GEMM = importlib.import_module("seqfuse.ops.gemm")  # (the package exports the op under the module's name)
 
 
-def _gemm_tune_switch():
-    """(tuning on, off), each with the plan cache dropped: a plan keeps the
-    algorithm it was tuned to whatever the switch says later."""
-    def set_to(value):
-        os.environ["SEQFUSE_GEMM_TUNE"] = value
-        GEMM.plan_cache_clear()
-
-    return (lambda: set_to("1")), (lambda: set_to("0"))
-
-
 def _together(*switches):
     """One switch setting several."""
     return (lambda: [s[0]() for s in switches]), (lambda: [s[1]() for s in switches])
@@ -192,7 +182,7 @@ SWITCHES = {
     "loss_grad_scale": lambda: _attribute_switch(CE, "scale_by_loss_grad", _scale_with_torch),
     "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
     "one_pass_swiglu": lambda: _attribute_switch(LNMLP, "_one_pass_swiglu", lambda q, h, activation: False),
-    "gemm_tune": _gemm_tune_switch,
+    "gemm_tune": lambda: ((lambda: GEMM.set_tuning(True)), (lambda: GEMM.set_tuning(False))),
     "value_words": lambda: _attribute_switch(ROPE, "_copy_rows", lambda dst, src: dst.copy_(src)),
 }
 

@@ -295,13 +295,34 @@ def _empty_product(a, transa, out, bias, aux, epilogue, accumulate, m, n, k, add
 _log = logging.getLogger("seqfuse")
 
 
+#: set_tuning's setting: None while the environment's SEQFUSE_GEMM_TUNE decides.
+_tuning = [None]
+
+
 def tuning_enabled():
     """Whether seqfuse's own callers time cuBLASLt's candidates for the
     GEMMs they tune (:func:`tune`; the fused loss's weight-gradient sum):
-    where the environment sets SEQFUSE_GEMM_TUNE=1.  Off by default (each
-    GEMM runs the heuristic's first choice, as every other does) until the
-    tuned path has passed the cuda tests and its A/B has run on a GPU."""
+    :func:`set_tuning`'s setting, else where the environment sets
+    SEQFUSE_GEMM_TUNE=1.  Off by default (each GEMM runs the heuristic's
+    first choice, as every other does) until the tuned path has passed the
+    cuda tests and its A/B has run on a GPU."""
+    if _tuning[0] is not None:
+        return _tuning[0]
     return os.environ.get("SEQFUSE_GEMM_TUNE", "0") == "1"
+
+
+def set_tuning(enabled):
+    """Tuning on (True) or off (False) for this process, or back to the
+    environment's SEQFUSE_GEMM_TUNE (None); returns the previous setting.
+    The plan cache is dropped (a plan keeps the algorithm it was tuned to
+    whatever the setting says later), so each problem's next call asks the
+    heuristic again and, tuning on, its next tune times again."""
+    if not (enabled is None or isinstance(enabled, bool)):
+        raise TypeError(f"set_tuning: argument 'enabled' must be True, False or None, got {enabled!r}")
+    previous = _tuning[0]
+    _tuning[0] = enabled
+    plan_cache_clear()
+    return previous
 
 
 #: The problems tune() has handed to the C entry since the plan cache was last dropped (plan_cache_clear):
