@@ -223,7 +223,7 @@ def test_fusion_ab_switches_patch_and_restore():
               "loss_grad_scale": [(fusion_ab.CE, "scale_by_loss_grad")],
               "tied_embedding": [(fusion_ab.FLOSS, "_tied_link")],
               "one_pass_swiglu": [(fusion_ab.LNMLP, "_one_pass_swiglu")],
-              "value_words": [(fusion_ab.ROPE, "_copy_rows")]}
+              "qkv_one_launch": [(fusion_ab.ROPE, "ONE_LAUNCH")]}
     assert set(owners) | {"gemm_tune"} == set(fusion_ab.SWITCHES)
     # gemm_tune switches seqfuse.ops.gemm.set_tuning (which drops the plan cache), no attribute
     set_new, set_old = fusion_ab.SWITCHES["gemm_tune"]()

@@ -7,8 +7,9 @@ import torch
 
 import seqfuse
 import seqfuse.pytorch
+import seqfuse.modules.rope as rope_module
 from seqfuse.modules.rope import RotaryPositionEmbedding, apply_rotary_pos_emb, split_qkv_rope
-from seqfuse.ops import rope_backward, rope_forward
+from seqfuse.ops import rope_backward, rope_forward, rope_parts
 
 from helpers import REL_TOL, assert_close_rel, poisoned_like
 
@@ -185,18 +186,111 @@ def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
     assert torch.equal(mixed.grad, ref_in.grad)
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("used", [(0, 1, 2), (0,), (1, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_qkv_rope_equals_split_and_rope(used, dtype, seed):
+def test_split_qkv_rope_equals_split_and_rope(used, dtype, one_launch, seed, monkeypatch):
+    monkeypatch.setattr(rope_module, "ONE_LAUNCH", one_launch)
     _split_qkv_rope_case("cpu", dtype, 4, 2, 16, 16, used)
     _split_qkv_rope_case("cpu", dtype, 3, 3, 8, 4, used)  # no grouping; a partial rotary width
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_split_qkv_rope_cuda(dtype, seed):
+def test_split_qkv_rope_cuda(dtype, one_launch, seed, monkeypatch):
+    monkeypatch.setattr(rope_module, "ONE_LAUNCH", one_launch)
     _split_qkv_rope_case("cuda", dtype, 32, 8, 64, 64, (0, 1, 2))
     _split_qkv_rope_case("cuda", dtype, 12, 2, 128, 64, (0, 2))
+
+
+def _parts_case(fmt, dtype, device, interleaved=False, backward=False, heads=(3, 2, 2), rotate=5, d=16, rot=16,
+                unaligned=False):
+    """rope_parts of ``heads`` parts (strided views: each part a slice of a
+    wider tensor, the middle one laid out [b, h, s, d] as attention's
+    gradients are) against rope_forward / rope_backward of their
+    concatenation's first ``rotate`` heads and a copy of the rest, on a
+    poisoned out; returns (got, want)."""
+    b, s, cu = 2, 9, None
+    fn = rope_backward if backward else rope_forward
+    total = sum(heads)
+    if fmt == "thd":
+        cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32)  # an empty sequence, 2 tokens past the last
+        tok = (13,)
+    else:
+        tok = (b, s) if fmt == "bshd" else (s, b)
+    parts = []
+    for i, h in enumerate(heads):
+        pad = d + 1 if unaligned else d
+        wide = torch.randn(*tok, h + 1, pad).to(dtype).to(device)
+        part = wide[..., 1:, pad - d:]
+        if i == 1 and fmt == "bshd":
+            part = torch.randn(b, h, s, d).to(dtype).to(device).transpose(1, 2)
+        parts.append(part)
+    freqs = make_freqs(16, rot, interleaved, device=device)
+    cu_d = None if cu is None else cu.to(device)
+    out = poisoned_like(torch.empty(*tok, total, d, dtype=dtype, device=device))
+    rope_parts(tuple(parts), freqs, rotate, out, fmt, interleaved, cu_seqlens=cu_d, backward=backward)
+    whole = torch.cat(parts, dim=-2)
+    want = whole.clone()
+    if rotate:
+        want[..., :rotate, :] = fn(whole[..., :rotate, :].contiguous(), freqs, fmt, interleaved, cu_seqlens=cu_d)
+    return out, want
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_parts_equals_rope_of_the_rotated_heads_and_a_copy(fmt, dtype, seed):
+    for interleaved in (False, True):
+        for backward in (False, True):
+            for heads, rotate in (((3, 2, 2), 5), ((3, 2, 2), 2), ((4,), 3), ((2, 3), 5), ((2, 1), 0)):
+                got, want = _parts_case(fmt, dtype, "cpu", interleaved, backward, heads, rotate, rot=8)
+                assert torch.equal(got, want), (interleaved, backward, heads, rotate)
+
+
+def test_rope_parts_refuses_what_does_not_fit():
+    t = torch.zeros(2, 5, 3, 8)
+    freqs = make_freqs(5, 8)
+    with pytest.raises(ValueError, match=r"rope: argument 'rotate_heads' must be at most out's 5 heads, got 6"):
+        rope_parts((t, t[:, :, :2]), freqs, 6, torch.empty(2, 5, 5, 8), "bshd")
+    with pytest.raises(ValueError, match=r"rope: argument 'rotate_heads' must be >= 0, got -1"):
+        rope_parts((t,), freqs, -1, torch.empty(2, 5, 3, 8), "bshd")
+    with pytest.raises(ValueError, match=r"rope: argument 'out' must have the parts' 6 heads together, got 5"):
+        rope_parts((t, t), freqs, 2, torch.empty(2, 5, 5, 8), "bshd")
+    with pytest.raises(ValueError, match=r"rope_backward: argument 't1' must match 'out' in every dimension but "
+                                         r"the heads \(2\), got 4 against 5 in dimension 1"):
+        rope_parts((t, t[:, :4]), freqs, 2, torch.empty(2, 5, 6, 8), "bshd", backward=True)
+    with pytest.raises(TypeError, match=r"rope: argument 't2' must have dtype float32, float16 or bfloat16"):
+        rope_parts((t, t, t.double()), freqs, 2, torch.empty(2, 5, 9, 8), "bshd")
+    with pytest.raises(TypeError, match=r"rope: argument 't1' must have dtype float32, got bfloat16"):
+        rope_parts((t, t.bfloat16()), freqs, 2, torch.empty(2, 5, 6, 8), "bshd")
+    out = torch.empty(2, 5, 6, 8)
+    with pytest.raises(ValueError, match=r"output 'out' shares memory with input 't1'"):
+        rope_parts((t, out[:, :, 3:]), freqs, 2, out, "bshd")
+    with pytest.raises(TypeError, match=r"argument 'parts' must be a tuple of 1 to 3 tensors"):
+        rope_parts((t,) * 4, freqs, 2, torch.empty(2, 5, 12, 8), "bshd")
+    with pytest.raises(TypeError, match=r"argument 'rotate_heads' must be an int, got float"):
+        rope_parts((t,), freqs, 2.0, torch.empty(2, 5, 3, 8), "bshd")
+    same = torch.randn(2, 5, 3, 8)  # the only part may be out itself
+    want = torch.cat([rope_forward(same[:, :, :2].contiguous(), freqs, "bshd"), same[:, :, 2:]], dim=2)
+    assert rope_parts((same,), freqs, 2, same, "bshd") is same and torch.equal(same, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_parts_cuda_matches_cpu(fmt, dtype, seed):
+    for interleaved in (False, True):
+        for backward in (False, True):
+            for heads, rotate, d, rot, unaligned in (((32, 8, 8), 40, 64, 64, False), ((3, 2, 2), 2, 16, 8, False),
+                                                     ((40,), 40, 64, 64, False), ((5, 3), 4, 16, 16, True),
+                                                     ((2, 1), 0, 16, 16, False), ((7, 300), 7, 16, 16, False)):
+                torch.manual_seed(seed)
+                got, want_gpu = _parts_case(fmt, dtype, "cuda", interleaved, backward, heads, rotate, d, rot, unaligned)
+                torch.manual_seed(seed)
+                cpu, _ = _parts_case(fmt, dtype, "cpu", interleaved, backward, heads, rotate, d, rot, unaligned)
+                assert_close_rel(got, cpu, dtype, factor=0.5)
+                assert torch.equal(got, want_gpu), (interleaved, backward, heads, rotate, d, rot, unaligned)
 
 
 def test_split_qkv_rope_refuses_a_mismatched_width():

@@ -45,8 +45,11 @@ seqfuse.pytorch.TransformerLayer at ESM-2 650M's shape, 16 x 1,024 tokens
                   transposed copy, against the activation kernels (the
                   activation made again, its FP8 gradient, two byte
                   transposes)
-  value_words     split_qkv_rope's value-head copies (forward and backward)
-                  as 8-byte words against torch's element-wise copy
+  qkv_one_launch  split_qkv_rope's q and k turned and v copied in one launch
+                  forward, the three gradients written in one backward
+                  (ops.rope.rope_parts), against q and k turned in one launch
+                  and v copied in another (8-byte words), the gradients in
+                  three
   gemm_tune       the fused loss's weight-gradient sum on the algorithm
                   seqfuse.ops.gemm.tune kept (cuBLASLt's candidates timed
                   once per plan) against the heuristic's first choice
@@ -183,7 +186,7 @@ SWITCHES = {
     "tied_embedding": lambda: _attribute_switch(FLOSS, "_tied_link", lambda model, call: None),
     "one_pass_swiglu": lambda: _attribute_switch(LNMLP, "_one_pass_swiglu", lambda q, h, activation: False),
     "gemm_tune": lambda: ((lambda: GEMM.set_tuning(True)), (lambda: GEMM.set_tuning(False))),
-    "value_words": lambda: _attribute_switch(ROPE, "_copy_rows", lambda dst, src: dst.copy_(src)),
+    "qkv_one_launch": lambda: _attribute_switch(ROPE, "ONE_LAUNCH", False),
 }
 
 

@@ -46,6 +46,27 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs,
                   sf_rope_format format, int interleaved, int backward,
                   sf_tensor *out, sf_stream stream);
 
+/*
+ * sf_rope_parts: sf_rope of a tensor given in up to three parts along the
+ * head dimension, written into one `out` whose heads are t's, then t1's,
+ * then t2's; only out's first `rotate_heads` heads are turned (or their
+ * gradient taken), the others copied unchanged.  One launch for a fused
+ * QKV projection's RoPE: forward, the projection's output [b, s, h + 2 kv,
+ * d] as t with rotate_heads h + kv (q and k turned, v copied); backward,
+ * dq, dk and dv as t, t1 and t2 into the projection's output gradient.
+ *   t, t1, t2        the parts (t1, t2 NULL or given in order): the dtype,
+ *                    token dimensions and head dim of out, any strides, none
+ *                    meeting out (out may be t itself where t is the only part)
+ *   rotate_heads     0 <= rotate_heads <= out's heads
+ *   out              out's heads = the parts' heads together
+ * Every other argument as sf_rope's, which is sf_rope_parts(t, NULL, NULL,
+ * t's heads, ...).
+ */
+sf_status sf_rope_parts(const sf_tensor *t, const sf_tensor *t1, const sf_tensor *t2, int64_t rotate_heads,
+                        const sf_tensor *freqs, const sf_tensor *cu_seqlens,
+                        const sf_tensor *start_positions, sf_rope_format format, int interleaved,
+                        int backward, sf_tensor *out, sf_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

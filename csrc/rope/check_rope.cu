@@ -5,7 +5,8 @@
  * sequences; half-split and interleaved; full and partial rotary width),
  * forward and backward; the CUDA output (poisoned with NaN bits first) must
  * match the CPU reference within a rounding of the output dtype (the two
- * backends' sin/cos differ in the last bit).  Then the bandwidth of a large
+ * backends' sin/cos differ in the last bit); sf_rope_parts likewise, its
+ * copied heads bit for bit.  Then the bandwidth of a large
  * bf16 bshd forward against a device-to-device copy of the same bytes.
  */
 #include "core/check_util.h"
@@ -91,6 +92,80 @@ static void run_case(sf_dtype dtype, sf_rope_format fmt, int interleaved, int ba
     cudaFree(dx); cudaFree(dout); cudaFree(dfreqs); if (dcu) cudaFree(dcu);
 }
 
+/* sf_rope_parts: three bshd parts, each a slice of its own wider buffer
+ * (one extra head, and `pad` extra leading elements a head: pad 1 takes the
+ * scalar path), the first `rotate` of out's heads turned; the CUDA result on
+ * a poisoned out against the CPU reference. */
+static void run_parts_case(sf_dtype dtype, int interleaved, int backward, const int64_t heads[3], int64_t rotate,
+                           int64_t d, int64_t rot, int64_t pad)
+{
+    if (!check_take_case())
+        return;
+    const int64_t b = 2, s = 37, es = (int64_t)sf_dtype_size(dtype), wd = d + pad;
+    int64_t total = 0;
+    std::vector<std::vector<uint8_t>> host(3);
+    std::vector<void *> dev(3);
+    sf_tensor tp[3], hp[3];
+    for (int i = 0; i < 3; ++i) {
+        const int64_t n = b * s * (heads[i] + 1) * wd;
+        host[i].resize(n * es);
+        for (int64_t j = 0; j < n; ++j) {
+            float v = rng_normal();
+            if (dtype == SF_FLOAT32) memcpy(&host[i][j * 4], &v, 4);
+            else { uint16_t u = sf_f32_to_bf16(v); memcpy(&host[i][j * 2], &u, 2); }
+        }
+        CHECK_CUDA(cudaMalloc(&dev[i], n * es));
+        CHECK_CUDA(cudaMemcpy(dev[i], host[i].data(), n * es, cudaMemcpyHostToDevice));
+        /* the view [b, s, heads[i], d] from head 1, element pad of each token's row */
+        const int64_t shape[4] = {b, s, heads[i], d}, strides[4] = {s * (heads[i] + 1) * wd, (heads[i] + 1) * wd, wd, 1};
+        const int64_t off = (wd + pad) * es;
+        sf_tensor_init(&tp[i], (uint8_t *)dev[i] + off, dtype, 4, shape, SF_CUDA, 0);
+        sf_tensor_init(&hp[i], host[i].data() + off, dtype, 4, shape, SF_CPU, 0);
+        memcpy(tp[i].strides, strides, sizeof strides);
+        memcpy(hp[i].strides, strides, sizeof strides);
+        total += heads[i];
+    }
+    const int64_t oshape[4] = {b, s, total, d}, n = b * s * total * d;
+    std::vector<uint8_t> ref(n * es), got(n * es);
+    std::vector<float> freqs(s * rot);
+    for (int64_t q = 0; q < s; ++q)
+        for (int64_t j = 0; j < rot; ++j) {
+            int64_t k = interleaved ? j / 2 : j % (rot / 2);
+            freqs[q * rot + j] = (float)q * powf(10000.0f, -2.0f * k / rot);
+        }
+    void *dout, *dfreqs;
+    CHECK_CUDA(cudaMalloc(&dout, n * es));
+    CHECK_CUDA(cudaMalloc(&dfreqs, freqs.size() * 4));
+    CHECK_CUDA(cudaMemcpy(dfreqs, freqs.data(), freqs.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(dout, 0xff, n * es)); /* poison: NaN */
+    const int64_t fshape[4] = {s, 1, 1, rot};
+    sf_tensor tout, hout, tf, hf;
+    sf_tensor_init(&tout, dout, dtype, 4, oshape, SF_CUDA, 0);
+    sf_tensor_init(&hout, ref.data(), dtype, 4, oshape, SF_CPU, 0);
+    sf_tensor_init(&tf, dfreqs, SF_FLOAT32, 4, fshape, SF_CUDA, 0);
+    sf_tensor_init(&hf, freqs.data(), SF_FLOAT32, 4, fshape, SF_CPU, 0);
+    CHECK_SF(sf_rope_parts(&tp[0], &tp[1], &tp[2], rotate, &tf, NULL, NULL, SF_ROPE_BSHD, interleaved, backward,
+                           &tout, NULL));
+    CHECK_SF(sf_rope_parts(&hp[0], &hp[1], &hp[2], rotate, &hf, NULL, NULL, SF_ROPE_BSHD, interleaved, backward,
+                           &hout, NULL));
+    CHECK_CUDA(cudaMemcpy(got.data(), dout, n * es, cudaMemcpyDeviceToHost));
+    double rtol = dtype == SF_FLOAT32 ? 2e-6 : 1.0 / 128, atol = dtype == SF_FLOAT32 ? 1e-5 : 1e-2;
+    int64_t bad = 0, copied_bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        float g = to_float(dtype, &got[i * es]), r = to_float(dtype, &ref[i * es]);
+        if (!(fabs(g - r) <= atol + rtol * fabs(r))) bad++;
+        if ((i / d) % total >= rotate && memcmp(&got[i * es], &ref[i * es], es)) copied_bad++; /* bit for bit */
+    }
+    char what[240];
+    snprintf(what, sizeof what, "rope_parts %s interleaved=%d backward=%d heads=%lld+%lld+%lld rotate=%lld d=%lld "
+             "rot=%lld pad=%lld: %lld mismatches, %lld copied elements not bit-equal", sf_dtype_name(dtype),
+             interleaved, backward, (long long)heads[0], (long long)heads[1], (long long)heads[2],
+             (long long)rotate, (long long)d, (long long)rot, (long long)pad, (long long)bad, (long long)copied_bad);
+    check_report(bad == 0 && copied_bad == 0, what);
+    for (void *p : dev) cudaFree(p);
+    cudaFree(dout); cudaFree(dfreqs);
+}
+
 int main(void)
 {
     rng_seed();
@@ -104,6 +179,16 @@ int main(void)
                     run_case(dt, f, il, bw, 2, 33, 5, 64, 32);
                     run_case(dt, f, il, bw, 2, 17, 3, 10, 6); /* scalar path */
                 }
+    /* a fused QKV projection's q, k, v (Llama 1B: 32 + 8 + 8 heads of 64), smaller odd ones, the scalar path */
+    const int64_t llama[3] = {32, 8, 8}, odd[3] = {3, 2, 2};
+    for (sf_dtype dt : dtypes)
+        for (int il = 0; il < 2; ++il)
+            for (int bw = 0; bw < 2; ++bw) {
+                run_parts_case(dt, il, bw, llama, 40, 64, 64, 0);
+                run_parts_case(dt, il, bw, odd, 2, 16, 8, 0);
+                run_parts_case(dt, il, bw, odd, 5, 16, 16, 1);
+                run_parts_case(dt, il, bw, odd, 0, 16, 16, 0);
+            }
 
     /* bandwidth, bf16 bshd, full rotary: Llama-like [8, 4096, 32, 128],
      * ESM-2 650M-like [8, 4096, 20, 64], and Llama 1B's q and k at 4,096

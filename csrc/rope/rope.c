@@ -1,8 +1,10 @@
 /*
- * rope.c - sf_rope, the public entry: validates every argument once (both
- * backends share these rules and messages), describes the problem in an
- * sf_rope_problem (token grid, strides, rotary width) and dispatches to the
- * CPU reference (rope_cpu.c) or the CUDA kernel (rope_cuda.cu).
+ * rope.c - sf_rope and sf_rope_parts, the public entries (one tensor, or up
+ * to three parts along the head dimension written into one): validates every
+ * argument once (both backends share these rules and messages), describes
+ * the problem in an sf_rope_problem (token grid, each part's strides, rotary
+ * width, the heads turned) and dispatches to the CPU reference (rope_cpu.c)
+ * or the CUDA kernel (rope_cuda.cu).
  */
 #include "../core/dispatch.h"
 #include "rope_backend.h"
@@ -25,11 +27,56 @@ static sf_status check_index_vector(const char *op, const char *arg, const sf_te
     return sf_check_same_device(op, "t", t, arg, v);
 }
 
-sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *cu_seqlens,
-                  const sf_tensor *start_positions, sf_rope_format format, int interleaved,
-                  int backward, sf_tensor *out, sf_stream stream)
+static const char *const part_names[SF_ROPE_MAX_PARTS] = {"t", "t1", "t2"};
+
+/* Each part against out: dimensions, dtype, device, the token dimensions
+ * and head dim out has; their heads, in order, fill out's (p->part_end). */
+static sf_status check_parts(const char *op, const sf_tensor *const *parts, int nparts, const sf_tensor *out,
+                             int want_ndim, sf_rope_problem *p)
+{
+    const int hd = want_ndim - 2; /* index of the head dimension */
+    int64_t end = 0;
+    for (int i = 0; i < nparts; ++i) {
+        const sf_tensor *x = parts[i];
+        const char *name = part_names[i];
+        SF_TRY(sf_check_dtype(op, name, x, out->dtype));
+        SF_TRY(sf_check_same_device(op, "t", parts[0], name, x));
+        if (x->ndim != want_ndim)
+            return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must have %d dimensions, as 'out', got %d", op, name,
+                           want_ndim, x->ndim);
+        for (int k = 0; k < want_ndim; ++k)
+            if (k != hd && x->shape[k] != out->shape[k])
+                return sf_fail(SF_ERR_VALUE, "%s: argument '%s' must match 'out' in every dimension but the heads "
+                               "(%d), got %lld against %lld in dimension %d", op, name, hd,
+                               (long long)x->shape[k], (long long)out->shape[k], k);
+        end += x->shape[hd];
+        p->part_end[i] = end;
+        for (int k = 0; k < 4; ++k)
+            p->in_stride[i][k] = 0;
+        if (want_ndim == 3) {
+            p->in_stride[i][0] = x->strides[0];
+        } else {
+            p->in_stride[i][0] = x->strides[0];
+            p->in_stride[i][1] = x->strides[1];
+        }
+        p->in_stride[i][2] = x->strides[hd];
+        p->in_stride[i][3] = x->strides[hd + 1];
+    }
+    for (int i = nparts; i < SF_ROPE_MAX_PARTS; ++i)
+        p->part_end[i] = end;
+    if (end != out->shape[hd])
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'out' must have the parts' %lld heads together, got %lld", op,
+                       (long long)end, (long long)out->shape[hd]);
+    return SF_OK;
+}
+
+/* sf_rope and sf_rope_parts; rotate_heads < 0: every head. */
+static sf_status rope_run(const sf_tensor *const *parts, int nparts, int64_t rotate_heads, const sf_tensor *freqs,
+                          const sf_tensor *cu_seqlens, const sf_tensor *start_positions, sf_rope_format format,
+                          int interleaved, int backward, sf_tensor *out, sf_stream stream)
 {
     const char *op = backward ? "rope_backward" : "rope";
+    const sf_tensor *t = parts[0];
     if (format != SF_ROPE_SBHD && format != SF_ROPE_BSHD && format != SF_ROPE_THD)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'tensor_format' must be sbhd, bshd or thd (got %d)",
                        op, (int)format);
@@ -38,11 +85,15 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
     SF_TRY(sf_check_writable(op, "out", out));
     SF_TRY(sf_check_same_device(op, "t", t, "out", out));
     SF_TRY(sf_check_same_device(op, "t", t, "freqs", freqs));
-    SF_TRY(sf_check_same_shape(op, "t", t, "out", out));
+    if (nparts == 1)
+        SF_TRY(sf_check_same_shape(op, "t", t, "out", out));
     int want_ndim = format == SF_ROPE_THD ? 3 : 4;
     if (t->ndim != want_ndim)
         return sf_fail(SF_ERR_VALUE, "%s: argument 't' must have %d dimensions for tensor_format "
                        "'%s', got %d", op, want_ndim, format_name(format), t->ndim);
+    if (out->ndim != want_ndim)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'out' must have %d dimensions for tensor_format "
+                       "'%s', got %d", op, want_ndim, format_name(format), out->ndim);
     SF_TRY(sf_check_dtype(op, "freqs", freqs, SF_FLOAT32));
     if (freqs->ndim != 4 && freqs->ndim != 2)
         return sf_fail(SF_ERR_VALUE, "%s: argument 'freqs' must have shape [s2, 1, 1, rot_dim] "
@@ -57,9 +108,14 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
     p.format = (int)format;
     p.interleaved = interleaved != 0;
     p.backward = backward != 0;
-    int hd = t->ndim - 2; /* index of the head dimension */
-    p.heads = t->shape[hd];
-    p.dim = t->shape[hd + 1];
+    SF_TRY(check_parts(op, parts, nparts, out, want_ndim, &p));
+    int hd = want_ndim - 2; /* index of the head dimension */
+    p.heads = out->shape[hd];
+    p.dim = out->shape[hd + 1];
+    if (rotate_heads > p.heads)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'rotate_heads' must be at most out's %lld heads, got %lld", op,
+                       (long long)p.heads, (long long)rotate_heads);
+    p.rotate_heads = rotate_heads < 0 ? p.heads : rotate_heads;
     p.rot = freqs->shape[freqs->ndim - 1];
     p.max_pos = freqs->shape[0];
     p.f_stride_pos = freqs->strides[0];
@@ -68,26 +124,14 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
         return sf_fail(SF_ERR_VALUE, "%s: argument 'freqs' must have an even last dimension "
                        "rot_dim with 0 < rot_dim <= head dim %lld, got %lld", op,
                        (long long)p.dim, (long long)p.rot);
-    if (format == SF_ROPE_THD) {
-        p.n0 = t->shape[0];
-        p.n1 = 1;
-        p.in_stride[0] = t->strides[0];
-        p.out_stride[0] = out->strides[0];
-        p.in_stride[1] = p.out_stride[1] = 0;
-    } else {
-        p.n0 = t->shape[0];
-        p.n1 = t->shape[1];
-        for (int k = 0; k < 2; ++k) {
-            p.in_stride[k] = t->strides[k];
-            p.out_stride[k] = out->strides[k];
-        }
-    }
-    p.in_stride[2] = t->strides[hd];
-    p.in_stride[3] = t->strides[hd + 1];
+    p.n0 = out->shape[0];
+    p.n1 = format == SF_ROPE_THD ? 1 : out->shape[1];
+    p.out_stride[0] = out->strides[0];
+    p.out_stride[1] = format == SF_ROPE_THD ? 0 : out->strides[1];
     p.out_stride[2] = out->strides[hd];
     p.out_stride[3] = out->strides[hd + 1];
 
-    int64_t seq_len = format == SF_ROPE_BSHD ? t->shape[1] : t->shape[0];
+    int64_t seq_len = format == SF_ROPE_BSHD ? out->shape[1] : out->shape[0];
     if (format == SF_ROPE_THD) {
         if (cu_seqlens == NULL)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'cu_seqlens' is required for tensor_format 'thd'", op);
@@ -100,7 +144,7 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
         if (cu_seqlens != NULL)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'cu_seqlens' is only valid for tensor_format "
                            "'thd', got '%s'", op, format_name(format));
-        p.batch = format == SF_ROPE_BSHD ? t->shape[0] : t->shape[1];
+        p.batch = format == SF_ROPE_BSHD ? out->shape[0] : out->shape[1];
         if (start_positions == NULL && seq_len > p.max_pos)
             return sf_fail(SF_ERR_VALUE, "%s: argument 'freqs' covers %lld positions but 't' has "
                            "sequence length %lld", op, (long long)p.max_pos, (long long)seq_len);
@@ -108,11 +152,12 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
     if (start_positions != NULL)
         SF_TRY(check_index_vector(op, "start_positions", start_positions, t, p.batch));
     {
-        /* (out may be t itself: each element pair is read before it is written) */
-        const sf_mem_arg outs[] = {{"out", out, "t"}};
-        const sf_mem_arg ins[] = {{"t", t, NULL}, {"freqs", freqs, NULL}, {"cu_seqlens", cu_seqlens, NULL},
+        /* (out may be t itself, the only part: each element pair is read before it is written) */
+        const sf_mem_arg outs[] = {{"out", out, nparts == 1 ? "t" : NULL}};
+        const sf_mem_arg ins[] = {{"t", t, NULL}, {"t1", parts[1], NULL}, {"t2", parts[2], NULL},
+                                  {"freqs", freqs, NULL}, {"cu_seqlens", cu_seqlens, NULL},
                                   {"start_positions", start_positions, NULL}};
-        SF_TRY(sf_check_apart(op, outs, 1, ins, 4));
+        SF_TRY(sf_check_apart(op, outs, 1, ins, 6));
     }
 
     const int32_t *cu = cu_seqlens ? (const int32_t *)cu_seqlens->data : NULL;
@@ -144,7 +189,31 @@ sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *c
                                    "'freqs' covers %lld", op, (long long)b, start[b],
                                    (long long)(start[b] + seq_len), (long long)p.max_pos);
         }
-        return sf_rope_cpu(&p, t, freqs, cu, start, out);
+        return sf_rope_cpu(&p, parts, freqs, cu, start, out);
     }
-    return SF_IF_CUDA(op, "t", sf_rope_cuda(&p, t, freqs, cu, start, out, stream));
+    return SF_IF_CUDA(op, "t", sf_rope_cuda(&p, parts, freqs, cu, start, out, stream));
+}
+
+sf_status sf_rope(const sf_tensor *t, const sf_tensor *freqs, const sf_tensor *cu_seqlens,
+                  const sf_tensor *start_positions, sf_rope_format format, int interleaved,
+                  int backward, sf_tensor *out, sf_stream stream)
+{
+    const sf_tensor *parts[SF_ROPE_MAX_PARTS] = {t, NULL, NULL};
+    return rope_run(parts, 1, -1, freqs, cu_seqlens, start_positions, format, interleaved, backward, out, stream);
+}
+
+sf_status sf_rope_parts(const sf_tensor *t, const sf_tensor *t1, const sf_tensor *t2, int64_t rotate_heads,
+                        const sf_tensor *freqs, const sf_tensor *cu_seqlens,
+                        const sf_tensor *start_positions, sf_rope_format format, int interleaved,
+                        int backward, sf_tensor *out, sf_stream stream)
+{
+    const char *op = backward ? "rope_backward" : "rope";
+    if (t2 != NULL && t1 == NULL)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 't2' is given without 't1' (the parts come in order)", op);
+    if (rotate_heads < 0)
+        return sf_fail(SF_ERR_VALUE, "%s: argument 'rotate_heads' must be >= 0, got %lld", op,
+                       (long long)rotate_heads);
+    const sf_tensor *parts[SF_ROPE_MAX_PARTS] = {t, t1, t2};
+    return rope_run(parts, t2 ? 3 : t1 ? 2 : 1, rotate_heads, freqs, cu_seqlens, start_positions, format,
+                    interleaved, backward, out, stream);
 }

@@ -24,18 +24,28 @@
 #define SF_ROPE_HD static inline
 #endif
 
+#define SF_ROPE_MAX_PARTS 3 /* inputs of sf_rope_parts */
+
 typedef struct sf_rope_problem {
     int format;           /* sf_rope_format */
     int interleaved;
     int backward;
     int64_t n0, n1;       /* token grid: bshd (b, s), sbhd (s, b), thd (T, 1) */
-    int64_t heads, dim, rot;
-    int64_t in_stride[4]; /* token dim 0, token dim 1, head, element */
+    int64_t heads, dim, rot; /* heads: out's, every part's together */
+    int64_t rotate_heads; /* out's heads [0, rotate_heads) are turned, the rest copied */
+    int64_t part_end[SF_ROPE_MAX_PARTS];  /* part i holds out's heads [part_end[i - 1], part_end[i]) */
+    int64_t in_stride[SF_ROPE_MAX_PARTS][4]; /* each part's: token dim 0, token dim 1, head, element */
     int64_t out_stride[4];
     int64_t max_pos;      /* s2: rows of freqs */
     int64_t f_stride_pos, f_stride_dim;
     int64_t batch;        /* sequences: b for bshd/sbhd, len(cu_seqlens) - 1 for thd */
 } sf_rope_problem;
+
+/* The part holding out's head h (parts past the last given end at p->heads). */
+SF_ROPE_HD int sf_rope_part_of(const sf_rope_problem *p, int64_t h)
+{
+    return h < p->part_end[0] ? 0 : h < p->part_end[1] ? 1 : 2;
+}
 
 /* Pair member offsets (in elements along the head dimension) of pair i. */
 SF_ROPE_HD void sf_rope_pair_index(int interleaved, int64_t rot, int64_t i,

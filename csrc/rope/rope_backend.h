@@ -11,10 +11,11 @@
 extern "C" {
 #endif
 
-sf_status sf_rope_cpu(const sf_rope_problem *p, const sf_tensor *t, const sf_tensor *freqs,
+/* parts: the problem's inputs, p->part_end's order (NULL past the last) */
+sf_status sf_rope_cpu(const sf_rope_problem *p, const sf_tensor *const *parts, const sf_tensor *freqs,
                       const int32_t *cu_seqlens, const int32_t *start_positions,
                       sf_tensor *out);
-sf_status sf_rope_cuda(const sf_rope_problem *p, const sf_tensor *t, const sf_tensor *freqs,
+sf_status sf_rope_cuda(const sf_rope_problem *p, const sf_tensor *const *parts, const sf_tensor *freqs,
                        const int32_t *cu_seqlens, const int32_t *start_positions,
                        sf_tensor *out, sf_stream stream);
 

@@ -8,8 +8,11 @@
  * rotates and stores: the loads are in flight while sincosf runs.  Where the
  * last dimension is unit-stride and every stride and pointer allows it, a
  * group is V pairs loaded as two 16-byte vectors (V = 8 for bf16/fp16, 4 for
- * fp32); otherwise V = 1 with any strides.  Elements past rot_dim, and thd
- * tokens past the last sequence, are copied through.  The position of a thd
+ * fp32); otherwise V = 1 with any strides.  Elements past rot_dim, thd
+ * tokens past the last sequence and the heads past rotate_heads are copied
+ * through.  The input may come in up to three parts along the heads
+ * (sf_rope_parts: a fused QKV projection's q, k and v gradients), each head
+ * read from the part holding it.  The position of a thd
  * token comes from a binary search of cu_seqlens in device memory: nothing is
  * read on the host, nothing synchronizes, and the launch is capturable in a
  * CUDA graph.  A position outside freqs makes NaN (seqfuse_rope.h).
@@ -44,7 +47,7 @@ struct alignas(sizeof(T) * V) Vec {
 };
 
 struct RopeArgs {
-    const void *in;
+    const void *in[SF_ROPE_MAX_PARTS]; /* the parts, p.part_end's order */
     void *out;
     const float *freqs;
     const int32_t *cu;
@@ -92,12 +95,22 @@ __device__ __forceinline__ void group_offsets(int g, int64_t rot, int64_t *e1, i
     }
 }
 
+/* Head h of token (i0, i1) in the part holding it; *es: that part's element stride. */
+template <typename T>
+__device__ __forceinline__ const T *head_src(const RopeArgs &a, int64_t i0, int64_t i1, int64_t h, int64_t *es)
+{
+    const sf_rope_problem &p = a.p;
+    const int k = sf_rope_part_of(&p, h);
+    const int64_t *st = p.in_stride[k];
+    *es = st[3];
+    return static_cast<const T *>(a.in[k]) + i0 * st[0] + i1 * st[1] + (h - (k ? p.part_end[k - 1] : 0)) * st[2];
+}
+
 template <typename T, bool IL, int V>
 __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
 {
     extern __shared__ float2 cs[]; /* (cos, sin) of each of this token's rot angles */
     const sf_rope_problem &p = a.p;
-    const T *in = static_cast<const T *>(a.in);
     T *out = static_cast<T *>(a.out);
     const int64_t tok = blockIdx.x;
     const int64_t i0 = p.n1 == 1 ? tok : tok / p.n1;
@@ -105,16 +118,16 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
     const int64_t pos = token_pos(a, i0, i1);
     const bool pass = pos == -1 && p.format == SF_ROPE_THD; /* uniform over the block */
     const bool bad = !pass && (pos < 0 || pos >= p.max_pos);
-    const T *in_tok = in + i0 * p.in_stride[0] + i1 * p.in_stride[1];
     T *out_tok = out + i0 * p.out_stride[0] + i1 * p.out_stride[1];
-    const int64_t is = p.in_stride[3], os = p.out_stride[3], hs = p.in_stride[2], hos = p.out_stride[2];
+    const int64_t os = p.out_stride[3], hos = p.out_stride[2];
+    const int64_t R = p.rotate_heads; /* heads [0, R) turned, [R, heads) copied below */
 
     const int G = (int)(p.rot / 2 / V); /* pair groups per head */
     const int Gb = G < (int)blockDim.x ? G : (int)blockDim.x;
     const int Hb = (int)blockDim.x / Gb;
     int g = threadIdx.x % Gb;
     const int hy = threadIdx.x / Gb;
-    bool have = !pass && hy < Hb && hy < p.heads;
+    bool have = !pass && hy < Hb && hy < R;
 
     Vec<T, V> ra[kBatch], rb[kBatch];
     int64_t e1 = 0, e2 = 0, h0 = hy;
@@ -123,10 +136,11 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
 #pragma unroll
         for (int k = 0; k < kBatch; ++k) {
             int64_t h = h0 + (int64_t)k * Hb;
-            if (h < p.heads) {
-                const T *src = in_tok + h * hs;
-                ra[k] = *reinterpret_cast<const Vec<T, V> *>(src + e1 * is);
-                rb[k] = *reinterpret_cast<const Vec<T, V> *>(src + e2 * is);
+            if (h < R) {
+                int64_t es;
+                const T *src = head_src<T>(a, i0, i1, h, &es);
+                ra[k] = *reinterpret_cast<const Vec<T, V> *>(src + e1 * es);
+                rb[k] = *reinterpret_cast<const Vec<T, V> *>(src + e2 * es);
             }
         }
     };
@@ -156,7 +170,7 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
 #pragma unroll 1 /* one head at a time: the loads of all kBatch are already in flight */
         for (int k = 0; k < kBatch; ++k) {
             int64_t h = h0 + (int64_t)k * Hb;
-            if (h >= p.heads)
+            if (h >= R)
                 break;
             Vec<T, V> oa, ob;
 #pragma unroll
@@ -190,7 +204,7 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
         }
         /* next batch of heads, then the next group */
         h0 += (int64_t)Hb * kBatch;
-        if (h0 >= p.heads) {
+        if (h0 >= R) {
             h0 = hy;
             g += Gb;
             if (g >= G)
@@ -199,32 +213,50 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
         load_batch();
     }
 
-    /* pass-through: [rot, dim) of every head, or all of a token outside every sequence */
+    /* pass-through: [rot, dim) of every turned head (all of it for a token
+     * outside every sequence), then every element of the copied heads */
     const int64_t first = pass ? 0 : p.rot;
-    const int64_t per_head = (p.dim - first) / V;
-    const int64_t units = per_head * p.heads;
+    const int64_t per_turned = (p.dim - first) / V, per_head = p.dim / V;
+    const int64_t turned_units = per_turned * R;
+    const int64_t units = turned_units + per_head * (p.heads - R);
     for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
-        int64_t h = u / per_head, e = first + (u % per_head) * V;
-        *reinterpret_cast<Vec<T, V> *>(out_tok + h * hos + e * os) =
-            *reinterpret_cast<const Vec<T, V> *>(in_tok + h * hs + e * is);
+        int64_t h, e;
+        if (u < turned_units) {
+            h = u / per_turned;
+            e = first + (u % per_turned) * V;
+        } else {
+            h = R + (u - turned_units) / per_head;
+            e = ((u - turned_units) % per_head) * V;
+        }
+        int64_t es;
+        const T *src = head_src<T>(a, i0, i1, h, &es);
+        *reinterpret_cast<Vec<T, V> *>(out_tok + h * hos + e * os) = *reinterpret_cast<const Vec<T, V> *>(src + e * es);
     }
 }
 
 /* The vector path needs unit stride along d, every other stride (of a
  * dimension longer than 1) a multiple of V, and both pointers aligned to V
  * elements. */
-static bool vector_ok(const sf_rope_problem &p, const sf_tensor *t, const sf_tensor *out, int V)
+static bool vector_ok(const sf_rope_problem &p, const sf_tensor *const *parts, const sf_tensor *out, int V)
 {
     if (p.rot % (2 * V) || p.dim % V)
         return false;
-    if (p.in_stride[3] != 1 || p.out_stride[3] != 1)
+    const size_t bytes = sf_dtype_size(out->dtype) * V;
+    const int64_t sizes[3] = {p.n0, p.n1, p.heads};
+    if (p.out_stride[3] != 1 || (uintptr_t)out->data % bytes)
         return false;
-    int64_t sizes[3] = {p.n0, p.n1, p.heads};
     for (int k = 0; k < 3; ++k)
-        if (sizes[k] > 1 && (p.in_stride[k] % V || p.out_stride[k] % V))
+        if (sizes[k] > 1 && p.out_stride[k] % V)
             return false;
-    size_t bytes = sf_dtype_size(t->dtype) * V;
-    return ((uintptr_t)t->data % bytes) == 0 && ((uintptr_t)out->data % bytes) == 0;
+    for (int i = 0; i < SF_ROPE_MAX_PARTS && parts[i]; ++i) {
+        const int64_t *st = p.in_stride[i];
+        if (st[3] != 1 || (uintptr_t)parts[i]->data % bytes)
+            return false;
+        for (int k = 0; k < 3; ++k) /* (a stride of a dimension of length 1 is never used: any) */
+            if ((k == 2 ? parts[i]->shape[parts[i]->ndim - 2] : sizes[k]) > 1 && st[k] % V)
+                return false;
+    }
+    return true;
 }
 
 template <typename T, bool IL, int V>
@@ -233,7 +265,7 @@ void launch_one(const RopeArgs &a, cudaStream_t stream)
     const sf_rope_problem &p = a.p;
     /* about kBatch heads per thread: each thread's loads of a token go out together */
     int64_t groups = p.rot / 2 / V;
-    int64_t rows = (p.heads + kBatch - 1) / kBatch;
+    int64_t rows = (p.rotate_heads + kBatch - 1) / kBatch;
     int64_t want = rows * groups;
     int block = (int)((want + 31) / 32 * 32);
     block = block < 32 ? 32 : block > 128 ? 128 : block;
@@ -263,7 +295,7 @@ sf_status launch(const RopeArgs &a, bool vec, cudaStream_t stream)
 
 } // namespace
 
-extern "C" sf_status sf_rope_cuda(const sf_rope_problem *p, const sf_tensor *t, const sf_tensor *freqs,
+extern "C" sf_status sf_rope_cuda(const sf_rope_problem *p, const sf_tensor *const *parts, const sf_tensor *freqs,
                                   const int32_t *cu_seqlens, const int32_t *start_positions,
                                   sf_tensor *out, sf_stream s)
 {
@@ -274,13 +306,15 @@ extern "C" sf_status sf_rope_cuda(const sf_rope_problem *p, const sf_tensor *t, 
                        "a token's sines and cosines in shared memory and takes rot_dim <= %d",
                        (long long)p->rot, kMaxRot);
     RopeArgs a;
-    a.in = t->data;
+    for (int i = 0; i < SF_ROPE_MAX_PARTS; ++i)
+        a.in[i] = parts[i] ? parts[i]->data : NULL;
     a.out = out->data;
     a.freqs = (const float *)freqs->data;
     a.cu = cu_seqlens;
     a.start = start_positions;
     a.p = *p;
-    bool vec = vector_ok(*p, t, out, (int)(16 / sf_dtype_size(t->dtype)));
+    const sf_tensor *t = parts[0];
+    bool vec = vector_ok(*p, parts, out, (int)(16 / sf_dtype_size(t->dtype)));
     sf_cuda_device_guard guard;
     SF_TRY(sf_cuda_device_enter("rope", t->device_id, &guard));
     cudaStream_t stream = sf_cuda_stream(s);

@@ -109,22 +109,32 @@ def _copy_rows(dst, src):
     return dst.copy_(src)
 
 
+#: split_qkv_rope where a backward follows: q and k turned and v copied into one new tensor in one launch,
+#: and the three gradients written into mixed's in one (ops.rope.rope_parts); False: q and k turned in one
+#: launch and v copied in another, the gradients in three (benchmarks/hf/fusion_ab.py --switch qkv_one_launch).
+ONE_LAUNCH = True
+
+
 class _SplitQkvRoPE(torch.autograd.Function):
-    """split_qkv_rope's autograd: q and k turned in one launch, the three
-    gradients written into one [b, s, width] tensor."""
+    """split_qkv_rope's autograd: q and k turned (and v copied) in one
+    launch, the three gradients written into one [b, s, width] tensor."""
 
     @staticmethod
     def forward(ctx, mixed, freqs, heads, kv_heads, head_dim, copy_v):
         ctx.set_materialize_grads(False)  # an output without a gradient arrives as None: no rotation of zeros
         b, s, width = mixed.shape
-        qk_width = (heads + kv_heads) * head_dim
+        qk_heads = heads + kv_heads
         if freqs.dtype != torch.float32:
             freqs = freqs.float()
-        # q and k are neighbours in each token's row: one strided view, one launch
-        qk = _rope.rope_forward(mixed[..., :qk_width].view(b, s, heads + kv_heads, head_dim), freqs, "bshd")
         ctx.save_for_backward(freqs)
         ctx.dims = (b, s, heads, kv_heads, head_dim)
-        v = mixed[..., qk_width:].view(b, s, kv_heads, head_dim)
+        if copy_v and ONE_LAUNCH:  # q and k turned, v copied, into one new tensor: one launch
+            qkv = torch.empty(b, s, qk_heads + kv_heads, head_dim, dtype=mixed.dtype, device=mixed.device)
+            _rope.rope_parts((mixed.view(b, s, qk_heads + kv_heads, head_dim),), freqs, qk_heads, qkv)
+            return qkv[:, :, :heads], qkv[:, :, heads:qk_heads], qkv[:, :, qk_heads:]
+        # q and k are neighbours in each token's row: one strided view, one launch
+        qk = _rope.rope_forward(mixed[..., :qk_heads * head_dim].view(b, s, qk_heads, head_dim), freqs, "bshd")
+        v = mixed[..., qk_heads * head_dim:].view(b, s, kv_heads, head_dim)
         if copy_v:  # (what the attention saves of v then keeps none of mixed: split_qkv_rope)
             v = _copy_rows(torch.empty(v.shape, dtype=v.dtype, device=v.device), v)
         return qk[:, :, :heads], qk[:, :, heads:], v
@@ -137,6 +147,9 @@ class _SplitQkvRoPE(torch.autograd.Function):
         parts = ((dq, heads), (dk, kv_heads), (dv, kv_heads))
         like = next(g for g, _ in parts if g is not None)
         dmixed = torch.empty(b, s, (heads + 2 * kv_heads) * head_dim, dtype=like.dtype, device=like.device)
+        if ONE_LAUNCH and all(g is not None and g.dtype == like.dtype for g, _ in parts):
+            _rope.rope_parts((dq, dk, dv), freqs, heads + kv_heads, dmixed.view(b, s, -1, head_dim), backward=True)
+            return dmixed, None, None, None, None, None
         col = 0
         for i, (g, n) in enumerate(parts):
             dst = dmixed[..., col:col + n * head_dim].view(b, s, n, head_dim)
@@ -160,13 +173,15 @@ def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_head
     torch.split + apply_rotary_pos_emb on q and on k compute, in one RoPE
     launch forward (q and k are neighbours in each token's row) and with the
     gradients written straight into mixed's gradient (no concatenation).
-    q and k are views of one [b, s, heads + kv_heads, head_dim] tensor.
-    Where a backward follows (grad mode on, ``mixed`` requiring grad) v is a
-    copy of mixed's v columns (contiguous [b, s, kv_heads, head_dim]), so
-    what the attention keeps for its backward holds none of ``mixed``, which
-    is freed after the forward (a view would keep all of it: at the Llama 1B
-    shape and 4,096 tokens 20 MiB of q and k columns a layer beside the
-    rotated ones); else a view of ``mixed`` (no copy).  Autograd refuses
+    Where a backward follows (grad mode on, ``mixed`` requiring grad) q, k
+    and v are views of one new [b, s, heads + 2 kv_heads, head_dim] tensor,
+    v a copy of mixed's v columns made by the same launch, so what the
+    attention keeps for its backward holds none of ``mixed``, which is freed
+    after the forward (a view would keep all of it: at the Llama 1B shape
+    and 4,096 tokens 20 MiB of q and k columns a layer beside the rotated
+    ones), and the backward writes the three gradients into mixed's in one
+    launch; else q and k are views of one [b, s, heads + kv_heads, head_dim]
+    tensor and v a view of ``mixed`` (no copy).  Autograd refuses
     in-place changes to q and k (views made inside a Function), and a cache
     that keeps k keeps that whole tensor.  The backward is not
     differentiable again (create_graph)."""

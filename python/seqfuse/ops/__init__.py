@@ -7,9 +7,9 @@ caller's current CUDA stream.
 from .quant import amax
 from .gemm import gemm
 from .loss import cross_entropy_backward, cross_entropy_forward
-from .rope import rope_backward, rope_forward
+from .rope import rope_backward, rope_forward, rope_parts
 
-__all__ = ["amax", "gemm", "rope_forward", "rope_backward"]
+__all__ = ["amax", "gemm", "rope_forward", "rope_backward", "rope_parts"]
 
 from .attn import attention, attention_backward, attention_forward  # noqa: E402
 from .attn import attention_backward_kernel, attention_forward_kernel  # noqa: E402

@@ -2,6 +2,9 @@
 and packed thd, half-split (GPT-NeoX / Llama / ESM) or interleaved (GPT-J)
 pairs, with a rotary width that may be less than the head dimension.
 
+``rope_parts`` takes the tensor in up to three parts along the heads (a
+fused QKV projection's q, k and v) and turns only the leading heads.
+
 These are the plain functional ops (no autograd); seqfuse.modules.rope wraps
 them in an autograd Function and in Transformer Engine's
 ``apply_rotary_pos_emb`` / ``RotaryPositionEmbedding``.
@@ -16,11 +19,11 @@ _FORMATS = {"sbhd": 0, "bshd": 1, "thd": 2}
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(t, freqs, tensor_format, cu_seqlens, start_positions, op):
+def _check(t, freqs, tensor_format, cu_seqlens, start_positions, op, name="t"):
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: argument 't' must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{op}: argument '{name}' must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"{op}: argument 't' must have dtype float32, float16 or bfloat16, got {t.dtype}")
+        raise TypeError(f"{op}: argument '{name}' must have dtype float32, float16 or bfloat16, got {t.dtype}")
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(f"{op}: argument 'freqs' must be a torch.Tensor, got {type(freqs).__name__}")
     if tensor_format not in _FORMATS:
@@ -73,3 +76,37 @@ def rope_backward(grad_out, freqs, tensor_format="sbhd", interleaved=False, cu_s
     """Gradient of :func:`rope_forward` with respect to ``t``, given the
     gradient of its output (same arguments)."""
     return _run(grad_out, freqs, tensor_format, interleaved, cu_seqlens, start_positions, True, out)
+
+
+def rope_parts(parts, freqs, rotate_heads, out, tensor_format="bshd", interleaved=False, cu_seqlens=None,
+               start_positions=None, backward=False):
+    """RoPE (``backward``: its gradient) of a tensor given as one to three
+    ``parts`` along the head dimension, written into ``out`` in one launch:
+    out's heads are the parts' heads in order, its first ``rotate_heads``
+    turned and the others copied unchanged.  Each part has out's dtype,
+    token dimensions and head dim, with any strides; ``out`` meets no part
+    (it may be the only part itself).  Messages name the parts 't', 't1'
+    and 't2', as the C entry does.  What a fused QKV projection's RoPE
+    needs: forward, its output [b, s, h + 2 kv, d] as the one part with
+    ``rotate_heads`` h + kv (v copied into a tensor of its own); backward,
+    dq, dk and dv written into the projection's output gradient.  Other
+    arguments as :func:`rope_forward`'s.  Returns ``out``."""
+    op = "rope_backward" if backward else "rope"
+    if not isinstance(parts, (tuple, list)) or not 1 <= len(parts) <= 3:
+        raise TypeError(f"{op}: argument 'parts' must be a tuple of 1 to 3 tensors, got {type(parts).__name__}"
+                        + (f" of {len(parts)}" if isinstance(parts, (tuple, list)) else ""))
+    for name, t in zip(("t", "t1", "t2"), parts):
+        _check(t, freqs, tensor_format, cu_seqlens, start_positions, op, name)
+    if isinstance(rotate_heads, bool) or not isinstance(rotate_heads, int):
+        raise TypeError(f"{op}: argument 'rotate_heads' must be an int, got {type(rotate_heads).__name__}")
+    if tensor_format == "thd" and isinstance(out, torch.Tensor) and out.dim() == 3 and freqs.dim() == 4 and freqs.shape[0] > 0 and \
+            cu_seqlens.device == out.device:  # (as _run: CUDA values by C's CPU rules)
+        limit = freqs.shape[0] if start_positions is None else None
+        check_cu_seqlens(op, "cu_seqlens", cu_seqlens, extent=out.shape[0], max_len=limit,
+                         max_what=f"the {limit} positions 'freqs' covers")
+    y = given_out(op, out)
+    t0, t1, t2 = (tuple(t.detach() for t in parts) + (None, None))[:3]
+    _C.rope_parts(t0, t1, t2, rotate_heads, freqs.detach(), cu_seqlens, start_positions, _FORMATS[tensor_format],
+                  bool(interleaved), bool(backward), y, stream_for(t0))
+    mark_written(y)
+    return out
