@@ -38,16 +38,22 @@ def _check(t, freqs, tensor_format, cu_seqlens, start_positions, op, name="t"):
             raise TypeError(f"{op}: argument '{name}' must be an int32 torch.Tensor, got {got}")
 
 
-def _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, backward, out):
-    op = "rope_backward" if backward else "rope"
-    _check(t, freqs, tensor_format, cu_seqlens, start_positions, op)
+def _check_thd_lengths(op, t, freqs, tensor_format, cu_seqlens, start_positions):
+    """A thd call's CUDA cu_seqlens values by C's CPU rules (start 0,
+    non-decreasing, within ``t``'s tokens and freqs' positions): one host read
+    per new cu_seqlens tensor, none under graph capture (ops/device_checks.py).
+    Anything misshapen is left for C's error."""
     if tensor_format == "thd" and t.dim() == 3 and freqs.dim() == 4 and freqs.shape[0] > 0 and \
-            cu_seqlens.device == t.device:  # (anything misshapen: C's error first)
-        # CUDA values by C's CPU rules (start 0, non-decreasing, within t's tokens and freqs' positions):
-        # one host read per new cu_seqlens tensor, none under graph capture (ops/device_checks.py)
+            cu_seqlens.device == t.device:
         limit = freqs.shape[0] if start_positions is None else None
         check_cu_seqlens(op, "cu_seqlens", cu_seqlens, extent=t.shape[0], max_len=limit,
                          max_what=f"the {limit} positions 'freqs' covers")
+
+
+def _run(t, freqs, tensor_format, interleaved, cu_seqlens, start_positions, backward, out):
+    op = "rope_backward" if backward else "rope"
+    _check(t, freqs, tensor_format, cu_seqlens, start_positions, op)
+    _check_thd_lengths(op, t, freqs, tensor_format, cu_seqlens, start_positions)
     if out is None:
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         _C.rope(t.detach(), freqs.detach(), cu_seqlens, start_positions, _FORMATS[tensor_format],
@@ -99,11 +105,8 @@ def rope_parts(parts, freqs, rotate_heads, out, tensor_format="bshd", interleave
         _check(t, freqs, tensor_format, cu_seqlens, start_positions, op, name)
     if isinstance(rotate_heads, bool) or not isinstance(rotate_heads, int):
         raise TypeError(f"{op}: argument 'rotate_heads' must be an int, got {type(rotate_heads).__name__}")
-    if tensor_format == "thd" and isinstance(out, torch.Tensor) and out.dim() == 3 and freqs.dim() == 4 and freqs.shape[0] > 0 and \
-            cu_seqlens.device == out.device:  # (as _run: CUDA values by C's CPU rules)
-        limit = freqs.shape[0] if start_positions is None else None
-        check_cu_seqlens(op, "cu_seqlens", cu_seqlens, extent=out.shape[0], max_len=limit,
-                         max_what=f"the {limit} positions 'freqs' covers")
+    if isinstance(out, torch.Tensor):
+        _check_thd_lengths(op, out, freqs, tensor_format, cu_seqlens, start_positions)
     y = given_out(op, out)
     t0, t1, t2 = (tuple(t.detach() for t in parts) + (None, None))[:3]
     _C.rope_parts(t0, t1, t2, rotate_heads, freqs.detach(), cu_seqlens, start_positions, _FORMATS[tensor_format],
