@@ -51,6 +51,10 @@ transformers' module-level rotary function is global):
                        count that is not a multiple of 16 is refused
   liger                liger_kernel's apply_liger_kernel_to_<family>(model=...)
                        (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy)
+  liger_compile        liger's patches, then every decoder (encoder) layer
+                       torch.compile'd as hf_compile's (compile fuses what
+                       Liger leaves to torch: the residual adds, the
+                       attention's reshapes)
 
 Each row copies one base model (built once with a fixed seed, bf16 on the
 GPU), builds torch's fused AdamW over its parameters (a _fused_adamw row:
@@ -109,11 +113,11 @@ ROWS = ("hf_eager", "hf_compile", "seqfuse_bf16", "seqfuse_fp8_delayed", "seqfus
         "seqfuse_fp8_delayed_head_keep_fused_adamw", "seqfuse_bf16_graphed", "seqfuse_fp8_delayed_graphed",
         "seqfuse_fp8_delayed_head_graphed", "seqfuse_bf16_fused_adamw", "seqfuse_fp8_delayed_fused_adamw",
         "seqfuse_fp8_delayed_head_fused_adamw", "seqfuse_fp8_delayed_own_amax", "seqfuse_fp8_delayed_head_own_amax",
-        "seqfuse_fp8_delayed_head_own_amax_fused_adamw", "torchao_float8", "liger")
+        "seqfuse_fp8_delayed_head_own_amax_fused_adamw", "torchao_float8", "liger", "liger_compile")
 
 #: The peer rows, and those a bf16 seqfuse row is held against (an FP8 row: every peer).
-PEERS = ("hf_eager", "hf_compile", "liger", "torchao_float8")
-BF16_PEERS = ("hf_eager", "hf_compile", "liger")
+PEERS = ("hf_eager", "hf_compile", "liger", "liger_compile", "torchao_float8")
+BF16_PEERS = ("hf_eager", "hf_compile", "liger", "liger_compile")
 
 #: The suffix of the rows that step seqfuse's FusedAdamW (the module note).
 FUSED_ADAMW = "_fused_adamw"
@@ -228,14 +232,19 @@ def prepare(row, base, family, shape=None):
         return model, (f"torchao.float8.convert_to_float8_training: {converted} Linears (torchao's tensorwise "
                        "filter, not the LM head), tensorwise dynamic scaling; every decoder (encoder) layer "
                        "torch.compile'd")
-    if row == "liger":
+    if row in ("liger", "liger_compile"):
         if FAMILY[family][2] is None:
             raise RuntimeError(f"Liger-Kernel has no apply_liger_kernel_to_* for the {family} family")
         mod, why = try_import("liger_kernel.transformers")
         if mod is None:
             raise RuntimeError(why)
         getattr(mod, FAMILY[family][2])(model=model)
-        return model, f"liger_kernel {FAMILY[family][2]}(model=...) (rope, rms_norm, swiglu, fused linear CE)"
+        note = f"liger_kernel {FAMILY[family][2]}(model=...) (rope, rms_norm, swiglu, fused linear CE)"
+        if row == "liger_compile":
+            for layer in transformer_layers(model):
+                layer.compile()
+            note += "; every decoder (encoder) layer torch.compile'd"
+        return model, note
     raise ValueError(row)
 
 
@@ -345,7 +354,7 @@ def main(argv=None):
                         "DIR/<out>_<row>_memory.txt (benchmarks/memory_peak.py)")
     args = p.parse_args(argv)
     rows = parse_list(p, "--rows", args.rows, ROWS)
-    rows = [r for r in ROWS if r in rows]  # Liger last: its rotary patch is module-wide
+    rows = [r for r in ROWS if r in rows]  # Liger's rows last: its rotary patch is module-wide
     if min(args.batch, args.seq, args.steps) < 1 or args.warmup < 1:
         p.error("--batch, --seq, --steps and --warmup must be >= 1")
     spec = SHAPES[args.shape]
