@@ -55,6 +55,10 @@ def test_peer_ratios_hold_each_row_against_the_strongest_peer_of_its_kind():
         "vs_peers": {"hf_eager": {"tokens_per_s": 1.1, "peak_memory": None}}, "strongest_peer": "hf_eager",
         "vs_strongest_peer": 1.1}
     assert bench_accelerate.peer_ratios("seqfuse_bf16", {"tokens_per_s": 1.0, "peak_gib": 1.0}, {}) == {}
+    # Liger with its layers compiled is a bf16 peer too: the strongest here
+    by["liger_compile"] = {"tokens_per_s": 52.0, "peak_gib": 11.5}
+    bf16 = bench_accelerate.peer_ratios("seqfuse_bf16", {"tokens_per_s": 55.0, "peak_gib": 11.0}, by)
+    assert bf16["strongest_peer"] == "liger_compile" and bf16["vs_strongest_peer"] == 55.0 / 52.0
 
 
 def test_bench_accelerate_fused_adamw_row(tmp_path):

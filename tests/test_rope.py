@@ -171,6 +171,8 @@ def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
     want = (apply_rotary_pos_emb(q.reshape(b, s, heads, d), freqs, "bshd"),
             apply_rotary_pos_emb(k.reshape(b, s, kv_heads, d), freqs, "bshd"), v.reshape(b, s, kv_heads, d))
     got = split_qkv_rope(mixed, freqs, heads, kv_heads, d)
+    # one launch: q, k and v are views of one new tensor; else q and k of one, v of another
+    assert (got[0].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()) == rope_module.ONE_LAUNCH
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
         # no output keeps mixed's storage alive (what the attention saves of q, k and v holds none of it)
@@ -182,8 +184,16 @@ def _split_qkv_rope_case(device, dtype, heads, kv_heads, d, rot, used):
     weights = [torch.randn(w.shape[0], w.shape[2], w.shape[1], w.shape[3], dtype=w.dtype, device=device).transpose(1, 2)
                for w in want]
     sum((w * c).float().sum() for i, (w, c) in enumerate(zip(want, weights)) if i in used).backward()
-    sum((g * c).float().sum() for i, (g, c) in enumerate(zip(got, weights)) if i in used).backward()
+    calls = []
+    real = rope_module._rope.rope_parts
+    rope_module._rope.rope_parts = lambda *a, **k: calls.append(k.get("backward")) or real(*a, **k)
+    try:
+        sum((g * c).float().sum() for i, (g, c) in enumerate(zip(got, weights)) if i in used).backward()
+    finally:
+        rope_module._rope.rope_parts = real
     assert torch.equal(mixed.grad, ref_in.grad)
+    # the backward's one launch where all three gradients come (else the per-part path)
+    assert calls == ([True] if rope_module.ONE_LAUNCH and len(used) == 3 else [])
 
 
 @pytest.mark.parametrize("one_launch", [True, False])
@@ -243,7 +253,8 @@ def _parts_case(fmt, dtype, device, interleaved=False, backward=False, heads=(3,
 def test_rope_parts_equals_rope_of_the_rotated_heads_and_a_copy(fmt, dtype, seed):
     for interleaved in (False, True):
         for backward in (False, True):
-            for heads, rotate in (((3, 2, 2), 5), ((3, 2, 2), 2), ((4,), 3), ((2, 3), 5), ((2, 1), 0)):
+            for heads, rotate in (((3, 2, 2), 5), ((3, 2, 2), 2), ((3, 2, 2), 4), ((4,), 3), ((2, 3), 5),
+                                  ((2, 1), 0)):
                 got, want = _parts_case(fmt, dtype, "cpu", interleaved, backward, heads, rotate, rot=8)
                 assert torch.equal(got, want), (interleaved, backward, heads, rotate)
 
@@ -267,7 +278,7 @@ def test_rope_parts_refuses_what_does_not_fit():
     out = torch.empty(2, 5, 6, 8)
     with pytest.raises(ValueError, match=r"output 'out' shares memory with input 't1'"):
         rope_parts((t, out[:, :, 3:]), freqs, 2, out, "bshd")
-    with pytest.raises(TypeError, match=r"argument 'parts' must be a tuple of 1 to 3 tensors"):
+    with pytest.raises(ValueError, match=r"argument 'parts' must hold 1 to 3 tensors, got 4"):
         rope_parts((t,) * 4, freqs, 2, torch.empty(2, 5, 12, 8), "bshd")
     with pytest.raises(TypeError, match=r"argument 'rotate_heads' must be an int, got float"):
         rope_parts((t,), freqs, 2.0, torch.empty(2, 5, 3, 8), "bshd")
@@ -278,11 +289,12 @@ def test_rope_parts_refuses_what_does_not_fit():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_rope_parts_cuda_matches_cpu(fmt, dtype, seed):
     for interleaved in (False, True):
         for backward in (False, True):
             for heads, rotate, d, rot, unaligned in (((32, 8, 8), 40, 64, 64, False), ((3, 2, 2), 2, 16, 8, False),
+                                                     ((3, 2, 2), 4, 16, 16, False),
                                                      ((40,), 40, 64, 64, False), ((5, 3), 4, 16, 16, True),
                                                      ((2, 1), 0, 16, 16, False), ((7, 300), 7, 16, 16, False)):
                 torch.manual_seed(seed)
@@ -425,7 +437,8 @@ def test_rope_cuda_position_past_freqs():
     """A packed sequence longer than ``freqs`` covers: eagerly a ValueError
     naming cu_seqlens (the offsets' one host read); under CUDA graph capture,
     where nothing reads the host, the kernel writes NaN at the positions past
-    ``freqs`` rather than reading past its end."""
+    ``freqs`` rather than reading past its end, as it does at a negative
+    position (start_positions are not read on the host)."""
     t = torch.randn(6, 2, 8, device="cuda")
     cu = torch.tensor([0, 6], dtype=torch.int32, device="cuda")
     freqs = make_freqs(4, 8, device="cuda")
@@ -440,6 +453,11 @@ def test_rope_cuda_position_past_freqs():
     g.replay()
     torch.cuda.synchronize()
     assert not out[:4].isnan().any() and out[4:].isnan().all()
+    # a start position that puts a token at position -1: NaN too (not the copy of a token outside every sequence)
+    start = torch.tensor([-1], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+    out = rope_forward(t, freqs, "thd", cu_seqlens=cu, start_positions=start)
+    assert out[0].isnan().all() and not out[1:4].isnan().any() and torch.equal(out[4:], t[4:])
 
 
 @pytest.mark.cuda
@@ -465,9 +483,7 @@ def test_copy_rows_moves_words_where_the_layout_allows(seed, caplog, monkeypatch
     """split_qkv_rope's value-head copies: as int64 words where both layouts
     allow (the bytes of an element-wise copy, checked bit for bit on
     NaN-carrying data), element by element otherwise, said once."""
-    import importlib
-
-    rope_mod = importlib.import_module("seqfuse.modules.rope")
+    rope_mod = rope_module
     monkeypatch.setattr(rope_mod, "_logged_element_copy", [])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         mixed = torch.randn(2, 24, 12 * 16).to(dtype)

@@ -172,6 +172,12 @@ def build_base(shape, layers, device):
     return model.to(torch.bfloat16), family
 
 
+def compile_layers(model):
+    """Every decoder (encoder) layer of ``model`` under torch.compile (module.compile)."""
+    for layer in transformer_layers(model):
+        layer.compile()
+
+
 def prepare(row, base, family, shape=None):
     """The row's model (a copy of base) and a note on what was done to it;
     ``shape``: the (batch, seq) a _graphed row's layers are captured for."""
@@ -194,8 +200,7 @@ def prepare(row, base, family, shape=None):
     if row == "hf_eager":
         return model, "transformers, attn_implementation=" + model.config._attn_implementation
     if row == "hf_compile":
-        for layer in transformer_layers(model):
-            layer.compile()
+        compile_layers(model)
         return model, "every decoder (encoder) layer torch.compile'd (module.compile)"
     if row.startswith("seqfuse"):
         from seqfuse.common.recipe import DelayedScaling, Float8BlockScaling
@@ -227,8 +232,7 @@ def prepare(row, base, family, shape=None):
 
         mod.convert_to_float8_training(model, module_filter_fn=swapped)
         converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-        for layer in transformer_layers(model):
-            layer.compile()
+        compile_layers(model)
         return model, (f"torchao.float8.convert_to_float8_training: {converted} Linears (torchao's tensorwise "
                        "filter, not the LM head), tensorwise dynamic scaling; every decoder (encoder) layer "
                        "torch.compile'd")
@@ -241,8 +245,7 @@ def prepare(row, base, family, shape=None):
         getattr(mod, FAMILY[family][2])(model=model)
         note = f"liger_kernel {FAMILY[family][2]}(model=...) (rope, rms_norm, swiglu, fused linear CE)"
         if row == "liger_compile":
-            for layer in transformer_layers(model):
-                layer.compile()
+            compile_layers(model)
             note += "; every decoder (encoder) layer torch.compile'd"
         return model, note
     raise ValueError(row)

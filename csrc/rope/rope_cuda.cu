@@ -55,14 +55,18 @@ struct RopeArgs {
     sf_rope_problem p;
 };
 
-/* Position of token (i0, i1), or -1 for a thd token outside every sequence. */
-__device__ __forceinline__ int64_t token_pos(const RopeArgs &a, int64_t i0, int64_t i1)
+/* Position of token (i0, i1); *outside: a thd token outside every sequence
+ * (copied through; its position is not read). */
+__device__ __forceinline__ int64_t token_pos(const RopeArgs &a, int64_t i0, int64_t i1, bool *outside)
 {
     const sf_rope_problem &p = a.p;
     int64_t seq, q;
+    *outside = false;
     if (p.format == SF_ROPE_THD) {
-        if (i0 < a.cu[0] || i0 >= a.cu[p.batch])
-            return -1;
+        if (i0 < a.cu[0] || i0 >= a.cu[p.batch]) {
+            *outside = true;
+            return 0;
+        }
         int64_t lo = 0, hi = p.batch - 1; /* largest seq with cu[seq] <= i0 */
         while (lo < hi) {
             int64_t mid = (lo + hi + 1) >> 1;
@@ -115,8 +119,8 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
     const int64_t tok = blockIdx.x;
     const int64_t i0 = p.n1 == 1 ? tok : tok / p.n1;
     const int64_t i1 = p.n1 == 1 ? 0 : tok % p.n1;
-    const int64_t pos = token_pos(a, i0, i1);
-    const bool pass = pos == -1 && p.format == SF_ROPE_THD; /* uniform over the block */
+    bool pass; /* uniform over the block */
+    const int64_t pos = token_pos(a, i0, i1, &pass);
     const bool bad = !pass && (pos < 0 || pos >= p.max_pos);
     T *out_tok = out + i0 * p.out_stride[0] + i1 * p.out_stride[1];
     const int64_t os = p.out_stride[3], hos = p.out_stride[2];
@@ -147,7 +151,7 @@ __global__ void __launch_bounds__(128, 8) rope_kernel(RopeArgs a)
     if (have)
         load_batch(); /* in flight while the angles are computed */
 
-    if (!pass) {
+    if (!pass && R > 0) {
         const float *fr = a.freqs + pos * p.f_stride_pos;
         for (int64_t j = threadIdx.x; j < p.rot; j += blockDim.x) {
             if (bad) {
@@ -267,6 +271,8 @@ void launch_one(const RopeArgs &a, cudaStream_t stream)
     int64_t groups = p.rot / 2 / V;
     int64_t rows = (p.rotate_heads + kBatch - 1) / kBatch;
     int64_t want = rows * groups;
+    const int64_t copies = (p.heads - p.rotate_heads) * (p.dim / V) / kBatch; /* the copied heads' vectors */
+    want = want > copies ? want : copies;
     int block = (int)((want + 31) / 32 * 32);
     block = block < 32 ? 32 : block > 128 ? 128 : block;
     size_t smem = (size_t)p.rot * sizeof(float2);

@@ -96,11 +96,13 @@ def rope_parts(parts, freqs, rotate_heads, out, tensor_format="bshd", interleave
     needs: forward, its output [b, s, h + 2 kv, d] as the one part with
     ``rotate_heads`` h + kv (v copied into a tensor of its own); backward,
     dq, dk and dv written into the projection's output gradient.  Other
-    arguments as :func:`rope_forward`'s.  Returns ``out``."""
+    arguments as :func:`rope_forward`'s, but ``tensor_format`` defaults to
+    "bshd" here (the fused layers' layout).  Returns ``out``."""
     op = "rope_backward" if backward else "rope"
-    if not isinstance(parts, (tuple, list)) or not 1 <= len(parts) <= 3:
-        raise TypeError(f"{op}: argument 'parts' must be a tuple of 1 to 3 tensors, got {type(parts).__name__}"
-                        + (f" of {len(parts)}" if isinstance(parts, (tuple, list)) else ""))
+    if not isinstance(parts, (tuple, list)):
+        raise TypeError(f"{op}: argument 'parts' must be a tuple of tensors, got {type(parts).__name__}")
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"{op}: argument 'parts' must hold 1 to 3 tensors, got {len(parts)}")
     for name, t in zip(("t", "t1", "t2"), parts):
         _check(t, freqs, tensor_format, cu_seqlens, start_positions, op, name)
     if isinstance(rotate_heads, bool) or not isinstance(rotate_heads, int):
