@@ -11,14 +11,14 @@ set -uo pipefail
 source benchmarks/gpu_lib.sh  # gpu_prebuilt, run
 gpu_prebuilt s64 .s64/carry
 TAIL=4 run 60 check_rope bin/check_rope_rope
-TAIL=6 run 120 cuda_tests python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_rope.py tests/test_gemm.py \
+TAIL=6 run 100 cuda_tests python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_rope.py tests/test_gemm.py \
   tests/test_cross_entropy.py -k "rope or tune or tuning or linear_cross_entropy"
 pack
-TAIL=16 run 160 ab_qkv_one_launch python3 benchmarks/hf/fusion_ab.py seqfuse_fp8_delayed --switch qkv_one_launch \
+TAIL=16 run 140 ab_qkv_one_launch python3 benchmarks/hf/fusion_ab.py seqfuse_fp8_delayed --switch qkv_one_launch \
   --rounds 4 --profile --out fusion_ab_qkv_one_launch_s64
 cp benchmarks/results/fusion_ab_qkv_one_launch_s64.json "$LOG/" 2>/dev/null
 pack
-TAIL=24 run 170 ab_gemm_tune python3 -c "import logging, runpy, sys; logging.basicConfig(level=logging.WARNING); \
+TAIL=24 run 150 ab_gemm_tune python3 -c "import logging, runpy, sys; logging.basicConfig(level=logging.WARNING); \
 logging.getLogger('seqfuse').setLevel(logging.INFO); sys.argv = ['fusion_ab.py', 'seqfuse_fp8_delayed', '--switch', \
 'gemm_tune', '--rounds', '4', '--profile', '--out', 'fusion_ab_gemm_tune_s64']; \
 runpy.run_path('benchmarks/hf/fusion_ab.py', run_name='__main__')"
