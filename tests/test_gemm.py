@@ -738,12 +738,27 @@ def test_tune_refuses_bad_arguments():
         seqfuse._C.gemm_tune(4, torch.empty(3, dtype=torch.int32), a, b, out, 0, 0, *rows)
 
 
-def test_tuning_switch(monkeypatch):
-    """The environment decides (off by default) until set_tuning does;
-    set_tuning(None) hands the decision back, returning each previous setting."""
+def test_tuning_switch(monkeypatch, caplog):
+    """The environment decides (on by default, off under deterministic
+    algorithms, said once) until set_tuning does; set_tuning(None) hands the
+    decision back, returning each previous setting."""
     assert gemm_mod.set_tuning(None) is None
     monkeypatch.delenv("SEQFUSE_GEMM_TUNE", raising=False)
-    assert not gemm_mod.tuning_enabled()  # (off by default)
+    assert gemm_mod.tuning_enabled()  # (on by default)
+    monkeypatch.setattr(gemm_mod, "_logged_deterministic", [])
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with caplog.at_level("INFO", logger="seqfuse"):
+            assert not gemm_mod.tuning_enabled() and not gemm_mod.tuning_enabled()
+        assert caplog.text.count("no GEMM tuning while torch.use_deterministic_algorithms(True)") == 1
+        monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
+        assert gemm_mod.tuning_enabled()  # (the environment outranks the deterministic default)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "yes")
+    with pytest.raises(ValueError, match="SEQFUSE_GEMM_TUNE must be 0 or 1, got 'yes'"):
+        gemm_mod.tuning_enabled()
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
     assert gemm_mod.tuning_enabled()
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "0")
