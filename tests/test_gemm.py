@@ -745,19 +745,27 @@ def test_tuning_switch(monkeypatch, caplog):
     assert gemm_mod.set_tuning(None) is None
     monkeypatch.delenv("SEQFUSE_GEMM_TUNE", raising=False)
     assert gemm_mod.tuning_enabled()  # (on by default)
-    monkeypatch.setattr(gemm_mod, "_logged_deterministic", [])
+    monkeypatch.setattr(gemm_mod, "_deterministic_seen", [False])
     before = torch.are_deterministic_algorithms_enabled()
+    cleared = []
+    monkeypatch.setattr(gemm_mod, "plan_cache_clear", lambda: cleared.append(True))
     torch.use_deterministic_algorithms(True)
     try:
         with caplog.at_level("INFO", logger="seqfuse"):
             assert not gemm_mod.tuning_enabled() and not gemm_mod.tuning_enabled()
+        # said once, and the plans tuned before dropped once, each time deterministic algorithms turn on
         assert caplog.text.count("no GEMM tuning while torch.use_deterministic_algorithms(True)") == 1
+        assert cleared == [True]
         monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
         assert gemm_mod.tuning_enabled()  # (the environment outranks the deterministic default)
     finally:
         torch.use_deterministic_algorithms(before)
-    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "yes")
-    with pytest.raises(ValueError, match="SEQFUSE_GEMM_TUNE must be 0 or 1, got 'yes'"):
+    for value, want in (("TRUE", True), (" off ", False), ("yes", True), ("no", False), ("", True)):
+        monkeypatch.setenv("SEQFUSE_GEMM_TUNE", value)
+        assert gemm_mod.tuning_enabled() is want, value
+    monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "2")
+    with pytest.raises(ValueError, match="SEQFUSE_GEMM_TUNE must be 1 / true / on / yes or 0 / false / off / no, "
+                                         "got '2'"):
         gemm_mod.tuning_enabled()
     monkeypatch.setenv("SEQFUSE_GEMM_TUNE", "1")
     assert gemm_mod.tuning_enabled()

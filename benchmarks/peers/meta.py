@@ -102,6 +102,8 @@ def run_metadata(script=None, argv=None):
         "python": platform.python_version(),
         "versions": {d: _dist_version(d) for d in DISTRIBUTIONS},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # the switches seqfuse reads from the environment (SEQFUSE_GEMM_TUNE, SEQFUSE_ATTN_BACKEND, ...)
+        "seqfuse_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SEQFUSE_")},
     }
     try:
         import torch

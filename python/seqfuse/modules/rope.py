@@ -95,8 +95,9 @@ def _copy_rows(dst, src):
     dimension) moving 8-byte words where both layouts allow: the same bytes.
     Torch's copy between strided 2-byte tensors loads two bytes at a time,
     a third of the copy rate (8.2 us a call for the 4 MB of Llama 1B's value
-    heads at 4,096 tokens on an H100, two calls a layer); otherwise
-    element by element, said once in the log.  Returns ``dst``."""
+    heads at 4,096 tokens on an H100); otherwise element by element, said
+    once in the log.  split_qkv_rope's path where ONE_LAUNCH is off, or a
+    backward that gets fewer than three gradients.  Returns ``dst``."""
     same = dst.dtype == src.dtype and dst.shape == src.shape
     wd, ws = (_as_words(dst), _as_words(src)) if same else (None, None)
     if wd is not None and ws is not None:
@@ -182,9 +183,10 @@ def split_qkv_rope(mixed: torch.Tensor, freqs: torch.Tensor, heads: int, kv_head
     ones), and the backward writes the three gradients into mixed's in one
     launch; else q and k are views of one [b, s, heads + kv_heads, head_dim]
     tensor and v a view of ``mixed`` (no copy).  Autograd refuses
-    in-place changes to q and k (views made inside a Function), and a cache
-    that keeps k keeps that whole tensor.  The backward is not
-    differentiable again (create_graph)."""
+    in-place changes to the outputs that are views made inside the Function
+    (q, k, and v too where a backward follows), and a cache that keeps k
+    keeps the whole tensor it views (with the backward, q and v too).  The
+    backward is not differentiable again (create_graph)."""
     if mixed.dim() != 3 or mixed.shape[-1] != (heads + 2 * kv_heads) * head_dim:
         raise ValueError(f"split_qkv_rope: argument 'mixed' must be [b, s, (heads + 2 * kv_heads) * head_dim] = "
                          f"[b, s, {(heads + 2 * kv_heads) * head_dim}], got {tuple(mixed.shape)}")

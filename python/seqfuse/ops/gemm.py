@@ -297,31 +297,54 @@ _log = logging.getLogger("seqfuse")
 
 #: set_tuning's setting: None while the environment's SEQFUSE_GEMM_TUNE decides.
 _tuning = [None]
-_logged_deterministic = []
+#: Whether the last tuning_enabled() call found torch's deterministic algorithms on (the plans are dropped,
+#: and the change logged, each time that turns on).
+_deterministic_seen = [False]
+_ENV_TUNE = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+
+
+def _env_tuning():
+    """SEQFUSE_GEMM_TUNE read: True, False, or None where unset or empty;
+    any other value a ValueError naming the variable."""
+    env = os.environ.get("SEQFUSE_GEMM_TUNE", "").strip().lower()
+    if not env:
+        return None
+    if env not in _ENV_TUNE:
+        raise ValueError(f"seqfuse gemm: environment variable SEQFUSE_GEMM_TUNE must be 1 / true / on / yes or "
+                         f"0 / false / off / no, got {os.environ['SEQFUSE_GEMM_TUNE']!r}")
+    return _ENV_TUNE[env]
 
 
 def tuning_enabled():
     """Whether seqfuse's own callers time cuBLASLt's candidates for the
     GEMMs they tune (:func:`tune`; the fused loss's weight-gradient sum):
-    :func:`set_tuning`'s setting, else SEQFUSE_GEMM_TUNE (1 on, 0 off), else
-    on -- but off while torch.use_deterministic_algorithms(True) holds
-    (a timed choice may differ between processes, and with it the last bits
-    of a sum; said once in the log).  On an H100 the tuned sum made
-    accelerate()'s FP8 Llama 1B step 1.012x faster (session 64's A/B)."""
+    :func:`set_tuning`'s setting, else SEQFUSE_GEMM_TUNE (1 / 0, true /
+    false, on / off, yes / no), else on -- but off while
+    torch.use_deterministic_algorithms(True) holds (a timed choice may
+    differ between processes, and with it the last bits of a sum): when that
+    turns on the plans are dropped, so the ones tuned before it ask the
+    heuristic again, said once in the log each time.  Each process (each
+    rank of a distributed run) times on its own, so ranks may keep
+    different algorithms.  On an H100 the tuned sum made accelerate()'s FP8
+    Llama 1B step 1.012x faster (session 64's A/B)."""
     if _tuning[0] is not None:
         return _tuning[0]
-    env = os.environ.get("SEQFUSE_GEMM_TUNE")
+    env = _env_tuning()
     if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"seqfuse gemm: environment variable SEQFUSE_GEMM_TUNE must be 0 or 1, got {env!r}")
-        return env == "1"
-    if torch.are_deterministic_algorithms_enabled():
-        if not _logged_deterministic:
-            _logged_deterministic.append(True)
+        return env
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if deterministic != _deterministic_seen[0]:
+        _deterministic_seen[0] = deterministic
+        if deterministic:
+            plan_cache_clear()
             _log.info("seqfuse gemm: no GEMM tuning while torch.use_deterministic_algorithms(True) holds (each "
-                      "GEMM runs cuBLASLt's first choice; SEQFUSE_GEMM_TUNE=1 or set_tuning(True) tunes anyway)")
-        return False
-    return True
+                      "GEMM runs cuBLASLt's first choice, the tuned plans dropped; SEQFUSE_GEMM_TUNE=1 or "
+                      "set_tuning(True) tunes anyway)")
+    return not deterministic
+
+
+#: A bad SEQFUSE_GEMM_TUNE is refused when seqfuse is imported, not at the first tuned GEMM mid-training.
+_env_tuning()
 
 
 def set_tuning(enabled):
