@@ -59,7 +59,7 @@ def main():
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end) / a.iters)
     med = {name: statistics.median(t) for name, t in times.items()}
-    print(f"attention fwd+bwd, {a.batch} x {a.seq} tokens, {a.heads} / {a.kv_heads} heads of {a.dim}, causal, "
+    print(f"attention forward+backward, {a.batch} x {a.seq} tokens, {a.heads} / {a.kv_heads} heads of {a.dim}, causal, "
           f"bf16, {torch.cuda.get_device_name()}; outputs and gradients equal: {same}")
     for name, t in times.items():
         print(f"  {name:30s} median {med[name]:.3f} ms  rounds {['%.3f' % x for x in t]}")
