@@ -278,6 +278,12 @@ def test_rope_parts_refuses_what_does_not_fit():
     out = torch.empty(2, 5, 6, 8)
     with pytest.raises(ValueError, match=r"output 'out' shares memory with input 't1'"):
         rope_parts((t, out[:, :, 3:]), freqs, 2, out, "bshd")
+    with pytest.raises(TypeError, match=r"rope: argument 'parts' must be a tuple of tensors, got Tensor"):
+        rope_parts(t, freqs, 2, torch.empty(2, 5, 3, 8), "bshd")
+    with pytest.raises(TypeError, match=r"rope_parts: argument 'out' must be a tensor"):
+        rope_parts((t,), freqs, 2, "out", "bshd")
+    with pytest.raises(ValueError, match=r"rope: argument 't2' is given without 't1' \(the parts come in order\)"):
+        seqfuse._C.rope_parts(t, None, t, 2, freqs, None, None, 1, False, False, torch.empty(2, 5, 6, 8), None)
     with pytest.raises(ValueError, match=r"argument 'parts' must hold 1 to 3 tensors, got 4"):
         rope_parts((t,) * 4, freqs, 2, torch.empty(2, 5, 12, 8), "bshd")
     with pytest.raises(TypeError, match=r"argument 'rotate_heads' must be an int, got float"):
